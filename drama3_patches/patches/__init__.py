@@ -1,0 +1,1 @@
+"""One module per patch id; each exposes ``plan(ctx)`` (see ``drama3_patches.patchlib``)."""

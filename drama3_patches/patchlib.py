@@ -1,0 +1,107 @@
+"""What a patch module may use: the context the engine hands it and small helpers.
+
+A patch module (``drama3_patches/patches/<name>.py``) exposes one function,
+named by the manifest's ``implementation`` field::
+
+    def plan(ctx: PatchContext) -> dict[str, object]:
+        ...
+
+``ctx.targets`` are the manifest targets whose modules are imported and that
+are not patched yet.  ``plan`` returns ``{target: replacement}`` for the ones it
+changes; the engine installs them all or none, records the originals, and
+restores them on ``unapply``.  A target left out of the dict is reported
+``not-needed`` (with the reason given to ``ctx.leave``).  Raising
+:class:`NotNeeded` marks every target of this call ``not-needed``: that is how
+feature detection says "the upstream fix is already there".
+
+The engine knows nothing about any patch; a patch knows nothing about the
+engine beyond this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+__all__ = [
+    "NotNeeded",
+    "PatchContext",
+    "accepts",
+    "accepts_var_keyword",
+    "wrap",
+]
+
+
+class NotNeeded(Exception):
+    """Raised by ``plan`` when feature detection finds the upstream fix."""
+
+
+@dataclass
+class PatchContext:
+    patch_id: str
+    targets: tuple[str, ...]
+    platform: str
+    versions: Mapping[str, str | None]
+    logger: logging.Logger
+    _resolve: Callable[[str], Any] = field(repr=False, default=None)  # type: ignore[assignment]
+    left: dict[str, str] = field(default_factory=dict)
+
+    def original(self, target: str) -> Any:
+        """The object now bound at ``target``, as stored.
+
+        For a class attribute defined on the class itself this is the raw
+        ``__dict__`` entry (a ``classmethod``/``staticmethod``/``property``
+        object stays one), so a replacement can keep the same kind.
+        """
+        if target not in self.targets:
+            raise KeyError(f"{target!r} is not among this call's targets {self.targets}")
+        return self._resolve(target)
+
+    def leave(self, target: str, reason: str) -> None:
+        """Say why ``target`` is left as it is (reported as ``not-needed``)."""
+        self.left[target] = reason
+
+
+def wrap(original: Callable, *, signature: inspect.Signature | None = None):
+    """Decorator: make ``wrapper`` look like ``original`` to introspection.
+
+    Copies ``__name__``, ``__qualname__``, ``__module__``, ``__doc__``, sets
+    ``__wrapped__``.  When the wrapper accepts more than the original (a new
+    parameter), pass the new ``signature`` so that ``inspect.signature`` -- and
+    the next feature detection -- sees what the wrapper really accepts.
+    """
+
+    def decorate(wrapper: Callable) -> Callable:
+        functools.update_wrapper(wrapper, original)
+        if signature is not None:
+            wrapper.__signature__ = signature
+        return wrapper
+
+    return decorate
+
+
+def _signature(func: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
+def accepts(func: Callable, name: str) -> bool:
+    """True when ``func`` takes a parameter ``name`` (or ``**kwargs``)."""
+    sig = _signature(func)
+    if sig is None:
+        return False
+    if name in sig.parameters:
+        return sig.parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY
+    return accepts_var_keyword(func)
+
+
+def accepts_var_keyword(func: Callable) -> bool:
+    sig = _signature(func)
+    return sig is not None and any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()
+    )
