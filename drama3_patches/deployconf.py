@@ -1,0 +1,199 @@
+"""The NPU deploy configs shipped in ``drama3_patches/deploy/`` and a schema check.
+
+The schema mirrors vLLM-Omni 0.30.0 ``vllm_omni/config/stage_config.py``
+(``DeployConfig``, ``StageDeployConfig``, ``load_deploy_config``,
+``_apply_platform_overrides``). vLLM-Omni quietly moves an unknown stage key
+into ``engine_extras`` and later drops it when it is not an engine argument, so
+a typo there would go unnoticed: this check names it instead.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+PACKAGE = "drama3_patches.deploy"
+
+# profile name -> file in drama3_patches/deploy/
+PROFILES = {
+    "910b-tp2-ep": "drama3_910b_tp2_ep.yaml",
+    "mxfp8-1card": "drama3_mxfp8_1card.yaml",
+}
+DEFAULT_PROFILE = "910b-tp2-ep"
+
+# vllm-omni 0.30.0 DeployConfig fields, plus `base_config` (resolve_deploy_yaml).
+TOP_LEVEL_KEYS = frozenset({
+    "async_chunk", "session_mode", "model_runner", "active_stream_window", "duplex_session",
+    "connectors", "edges", "stages", "platforms", "pipeline", "trust_remote_code",
+    "distributed_executor_backend", "dtype", "quantization", "enable_prefix_caching",
+    "enable_chunked_prefill", "data_parallel_size", "pipeline_parallel_size", "custom_voice_dir",
+    "base_config",
+})
+
+# StageDeployConfig fields this project's configs may use (the full class has many
+# diffusion-only knobs; they are not accepted here on purpose).
+STAGE_FIELDS = frozenset({
+    "stage_id", "devices", "num_replicas", "env", "async_chunk", "output_connectors",
+    "input_connectors", "default_sampling_params", "default_pooling_params",
+    "subtalker_sampling_params", "silence_ban_frames", "tensor_parallel_size",
+    "enable_expert_parallel", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+    "max_model_len", "enforce_eager", "async_scheduling", "disable_hybrid_kv_cache_manager",
+    "mm_processor_cache_gb", "mamba_ssm_cache_dtype", "compilation_config", "profiler_config",
+    "skip_mm_profiling", "config_format", "load_format", "tokenizer_mode", "engine_extras",
+    "engine_args", "runtime",
+})
+# Keys vLLM-Omni passes through engine_extras to vLLM's EngineArgs, and the
+# per-stage runner key that the runner-selection patch reads.
+STAGE_PASSTHROUGH_KEYS = frozenset({"block_size", "kv_cache_dtype", "seed", "model_runner"})
+# vllm-omni raises for these in engine_extras: the runner is chosen by model_runner.
+FORBIDDEN_STAGE_KEYS = frozenset({"use_v2_model_runner", "supports_native_mrv2_data_plane"})
+RUNNERS = ("v1", "v2")
+PLATFORM_NAMES = frozenset({"npu", "cuda", "rocm", "xpu", "musa", "cpu"})
+PLATFORM_KEYS = frozenset({"model_runner", "stages"})
+
+
+def profile_names() -> list[str]:
+    return sorted(PROFILES)
+
+
+def profile_text(name: str) -> str:
+    if name not in PROFILES:
+        raise KeyError(f"unknown deploy profile {name!r}; known: {', '.join(profile_names())}")
+    return resources.files(PACKAGE).joinpath(PROFILES[name]).read_text(encoding="utf-8")
+
+
+def load_profile(name: str) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(profile_text(name))
+
+
+def _device_list(devices: Any) -> list[int] | None:
+    if not isinstance(devices, str):
+        return None
+    try:
+        return [int(x) for x in devices.split(",") if x.strip() != ""]
+    except ValueError:
+        return None
+
+
+def _check_stage(where: str, stage: Any, errors: list[str], *, overlay: bool) -> None:
+    if not isinstance(stage, dict):
+        errors.append(f"{where}: a stage must be a mapping")
+        return
+    if not isinstance(stage.get("stage_id"), int) or isinstance(stage.get("stage_id"), bool):
+        errors.append(f"{where}: stage_id must be an integer")
+    for key in stage:
+        if key in FORBIDDEN_STAGE_KEYS:
+            errors.append(f"{where}: {key!r} is set by vLLM-Omni from model_runner; remove it")
+        elif key not in STAGE_FIELDS and key not in STAGE_PASSTHROUGH_KEYS:
+            errors.append(f"{where}: unknown stage key {key!r}")
+    if "model_runner" in stage and stage["model_runner"] not in RUNNERS:
+        errors.append(f"{where}: model_runner must be one of {RUNNERS}, got {stage['model_runner']!r}")
+    if "devices" in stage and _device_list(stage["devices"]) in (None, []):
+        errors.append(f"{where}: devices must be a string of comma-separated card indices")
+    util = stage.get("gpu_memory_utilization")
+    if util is not None and not (isinstance(util, (int, float)) and 0 < util <= 1):
+        errors.append(f"{where}: gpu_memory_utilization must be in (0, 1], got {util!r}")
+    if overlay:
+        return
+    devices = _device_list(stage.get("devices"))
+    tp = stage.get("tensor_parallel_size", 1)
+    if devices and isinstance(tp, int) and len(devices) != tp:
+        # vLLM-Omni refuses a stage whose world size its devices cannot hold.
+        errors.append(f"{where}: tensor_parallel_size {tp} needs {tp} devices, got {stage.get('devices')!r}")
+    if stage.get("enable_expert_parallel") and tp == 1:
+        errors.append(f"{where}: enable_expert_parallel with tensor_parallel_size 1 has nothing to split")
+
+
+def validate(doc: Any) -> list[str]:
+    """Every problem found in a deploy config mapping, one line each ([] = valid)."""
+    errors: list[str] = []
+    if not isinstance(doc, dict):
+        return ["the deploy config must be a mapping at the top level"]
+    for key in doc:
+        if key not in TOP_LEVEL_KEYS:
+            errors.append(f"unknown top-level key {key!r}")
+    if "stage_args" in doc:
+        errors.append("the removed `stage_args` schema is used; use `stages`")
+    if doc.get("model_runner", "v1") not in RUNNERS:
+        errors.append(f"model_runner must be one of {RUNNERS}, got {doc.get('model_runner')!r}")
+    stages = doc.get("stages")
+    if not isinstance(stages, list) or not stages:
+        errors.append("`stages` must be a non-empty list")
+        return errors
+    for i, stage in enumerate(stages):
+        _check_stage(f"stages[{i}]", stage, errors, overlay=False)
+    ids = [s.get("stage_id") for s in stages if isinstance(s, dict)]
+    if len(ids) != len(set(ids)):
+        errors.append(f"duplicate stage ids: {ids}")
+
+    connectors = doc.get("connectors") or {}
+    if not isinstance(connectors, dict):
+        errors.append("`connectors` must be a mapping")
+        connectors = {}
+    for name, conn in connectors.items():
+        if not isinstance(conn, dict) or not isinstance(conn.get("name"), str):
+            errors.append(f"connectors.{name}: needs a `name` (the connector class)")
+    for stage in stages:
+        if not isinstance(stage, dict):
+            continue
+        for field in ("input_connectors", "output_connectors"):
+            for edge, conn in (stage.get(field) or {}).items():
+                if conn not in connectors:
+                    errors.append(f"stage {stage.get('stage_id')}: {field}.{edge} names unknown connector {conn!r}")
+
+    platforms = doc.get("platforms") or {}
+    if not isinstance(platforms, dict):
+        errors.append("`platforms` must be a mapping")
+        platforms = {}
+    for plat, section in platforms.items():
+        if plat not in PLATFORM_NAMES:
+            errors.append(f"platforms: unknown platform {plat!r}")
+        if not isinstance(section, dict):
+            errors.append(f"platforms.{plat}: must be a mapping")
+            continue
+        for key in section:
+            if key not in PLATFORM_KEYS:
+                errors.append(f"platforms.{plat}: unknown key {key!r}")
+        if "model_runner" in section and section["model_runner"] not in RUNNERS:
+            errors.append(f"platforms.{plat}.model_runner must be one of {RUNNERS}")
+        for j, ps in enumerate(section.get("stages") or []):
+            _check_stage(f"platforms.{plat}.stages[{j}]", ps, errors, overlay=True)
+            if isinstance(ps, dict) and ps.get("stage_id") not in ids:
+                errors.append(f"platforms.{plat}.stages[{j}]: no stage {ps.get('stage_id')!r} to override")
+
+    for plat in [None, *sorted(platforms)]:
+        errors.extend(_check_memory_sums(effective_stages(doc, plat), plat))
+    return errors
+
+
+def effective_stages(doc: dict, platform: str | None) -> list[dict]:
+    """Stages after a platform section's overrides (flat layout), as vLLM-Omni merges them."""
+    stages = [dict(s) for s in doc.get("stages") or [] if isinstance(s, dict)]
+    section = (doc.get("platforms") or {}).get(platform) if platform else None
+    by_id = {s.get("stage_id"): s for s in stages}
+    for ps in (section or {}).get("stages") or []:
+        if isinstance(ps, dict) and ps.get("stage_id") in by_id:
+            by_id[ps["stage_id"]].update({k: v for k, v in ps.items() if k != "stage_id"})
+    return stages
+
+
+def effective_runner(doc: dict, platform: str | None, stage: dict) -> str:
+    """The runner a stage asks for: its own `model_runner`, else the deploy-level one."""
+    section = (doc.get("platforms") or {}).get(platform) or {} if platform else {}
+    deploy_level = section.get("model_runner", doc.get("model_runner", "v1"))
+    return stage.get("model_runner", deploy_level)
+
+
+def _check_memory_sums(stages: list[dict], platform: str | None) -> list[str]:
+    per_card: dict[int, float] = {}
+    for s in stages:
+        for d in _device_list(s.get("devices")) or []:
+            per_card[d] = per_card.get(d, 0.0) + float(s.get("gpu_memory_utilization") or 0.9)
+    where = f"platform {platform}" if platform else "base config"
+    return [
+        f"{where}: card {d} is given gpu_memory_utilization {total:.2f} in total (over 1.0)"
+        for d, total in sorted(per_card.items())
+        if total > 1.0 + 1e-9
+    ]
