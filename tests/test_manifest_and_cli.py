@@ -1,0 +1,201 @@
+"""Tier 1: manifest validation, the shipped manifest, and the `drama3-patches` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drama3_patches._bootstrap import scan_target_modules
+from drama3_patches.manifest import ManifestError, load_manifest, parse_manifest
+from support.selftest import write_manifest, write_target
+from support.subproc import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "patches_manifest.yaml"
+CONTRACT_IDS = [
+    "runner-selection", "lora-count-forwarding", "mamba-prefill-end", "qwen3next-eager-attention",
+    "tower-sampler-eager", "preemption-host-copy", "fp8-expert-method",
+]
+
+
+def test_shipped_manifest_is_valid_and_has_the_contract_ids():
+    m = load_manifest(SHIPPED)
+    assert list(m.ids) == CONTRACT_IDS
+    for p in m.patches:
+        assert p.implementation.startswith("drama3_patches.patches.")
+        for text in (p.why, p.how, p.upstream, p.remove_when):
+            assert "TODO" not in text, f"{p.id} has an unfinished review record"
+
+
+def test_shipped_implementations_exist():
+    import importlib
+
+    for p in load_manifest(SHIPPED).patches:
+        module, func = p.implementation.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), p.id
+
+
+def test_bootstrap_scan_agrees_with_yaml():
+    text = SHIPPED.read_text()
+    from_yaml = []
+    for entry in yaml.safe_load(text)["patches"]:
+        for t in entry["targets"]:
+            mod = t.split(":")[0]
+            if mod not in from_yaml:
+                from_yaml.append(mod)
+    assert scan_target_modules(text) == from_yaml
+
+
+GOOD = {
+    "id": "x", "summary": "s", "targets": ["a.b:C.d"], "requires": {"vllm": ">=0.31"},
+    "platforms": ["npu"], "implementation": "drama3_patches.patches.selftest:plan",
+    "why": "w", "how": "h", "upstream": "u", "remove_when": "r",
+}
+
+
+@pytest.mark.parametrize("change,field,fragment", [
+    ({"targets": ["a.b.C.d"]}, "targets", "not of the form"),
+    ({"targets": ["a-b:C"]}, "targets", "is not a dotted module name"),
+    ({"targets": []}, "targets", "non-empty list"),
+    ({"requires": {"vllm": ">=>0.3"}}, "requires", "vllm"),
+    ({"platforms": ["tpu"]}, "platforms", "'tpu' is not one of"),
+    ({"implementation": "os.path:join"}, "implementation", "names code outside drama3_patches.patches"),
+    ({"why": ""}, "why", "missing or empty"),
+    ({"remove_when": None}, "remove_when", "missing or empty"),
+    ({"colour": "red"}, "colour", "unknown field"),
+])
+def test_malformed_entry_names_file_id_and_field(change, field, fragment):
+    entry = {**GOOD, **change}
+    text = yaml.safe_dump({"patches": [entry]})
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(text, "some/manifest.yaml")
+    msg = str(err.value)
+    assert msg.startswith("some/manifest.yaml: patch 'x': field ")
+    assert f"field {field!r}" in msg and fragment in msg
+
+
+def test_duplicate_ids_and_bad_yaml():
+    with pytest.raises(ManifestError, match="patch 'x': field 'id': used by two entries"):
+        parse_manifest(yaml.safe_dump({"patches": [GOOD, GOOD]}), "m.yaml")
+    with pytest.raises(ManifestError, match="m.yaml: not valid YAML"):
+        parse_manifest("patches: [", "m.yaml")
+    with pytest.raises(ManifestError, match="cannot read the manifest"):
+        load_manifest("/nonexistent/drama3/manifest.yaml")
+
+
+# -- the command line -----------------------------------------------------------
+
+@pytest.fixture
+def sandbox(tmp_path):
+    write_target(tmp_path)
+    manifest = write_manifest(tmp_path, {"targets": ["d3p_target:greet", "d3p_target:Greeter.hi"]},
+                              {"id": "npu-only", "targets": ["d3p_target:Greeter.make"], "platforms": "[npu]"})
+    return {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_MANIFEST": str(manifest)}, [tmp_path]
+
+
+def test_status_json_after_import_targets(sandbox):
+    env, path = sandbox
+    proc = run_cli("status", "--json", "--import-targets", env=env, pythonpath=path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert set(data) >= {"enabled", "platform", "versions", "patches"}
+    assert data["enabled"] is True
+    by_id = {p["id"]: p for p in data["patches"]}
+    assert by_id["selftest"]["state"] == "applied"
+    assert by_id["selftest"]["targets"] == ["d3p_target:greet", "d3p_target:Greeter.hi"]
+    assert by_id["npu-only"]["state"] == "skipped"
+    assert "platform" in by_id["npu-only"]["reason"]
+
+
+def test_status_table_and_unimportable_targets(sandbox, tmp_path):
+    env, path = sandbox
+    proc = run_cli("status", "--import-targets", env=env, pythonpath=path)
+    assert proc.returncode == 0
+    assert "selftest" in proc.stdout and "applied" in proc.stdout
+    # Default (shipped) manifest on this host: targets that cannot be imported are skipped, with why.
+    proc = run_cli("status", "--json", "--import-targets",
+                   env={"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu"})
+    assert proc.returncode == 0, proc.stderr
+    for p in json.loads(proc.stdout)["patches"]:
+        assert p["state"] in {"skipped", "applied", "not-needed"}, p
+        if p["state"] == "skipped":
+            assert p["reason"]
+
+
+def test_status_exit_1_when_a_patch_failed(sandbox, tmp_path):
+    write_target(tmp_path, "d3p_broken", "def broken():\n    return 1\n")
+    manifest = write_manifest(tmp_path, {"targets": ["d3p_broken:broken"]})
+    proc = run_cli("status", "--import-targets",
+                   env={"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_MANIFEST": str(manifest)}, pythonpath=[tmp_path])
+    assert proc.returncode == 1
+    assert "failed" in proc.stdout and "self-test failure requested" in proc.stdout
+
+
+def test_disabled_status_says_why():
+    proc = run_cli("status", "--json")
+    assert proc.returncode == 0
+    data = json.loads(proc.stdout)
+    assert data["enabled"] is False
+    assert {p["state"] for p in data["patches"]} == {"skipped"}
+    assert all("DRAMA3_PATCHES is not enabled" in p["reason"] for p in data["patches"])
+
+
+def test_list_and_verbose():
+    proc = run_cli("list")
+    assert proc.returncode == 0
+    for pid in CONTRACT_IDS:
+        assert f"{pid}:" in proc.stdout
+    verbose = run_cli("list", "--verbose").stdout
+    assert "why:" in verbose and "remove when:" in verbose and "upstream:" in verbose
+
+
+def test_usage_errors_exit_2():
+    assert run_cli("frobnicate").returncode == 2
+    assert run_cli().returncode == 2
+    assert run_cli("status", "--bogus").returncode == 2
+
+
+def test_broken_manifest_is_one_clear_line(tmp_path):
+    bad = tmp_path / "m.yaml"
+    bad.write_text(yaml.safe_dump({"patches": [{**GOOD, "platforms": ["tpu"]}]}))
+    proc = run_cli("status", env={"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_MANIFEST": str(bad)})
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert f"{bad}: patch 'x': field 'platforms'" in proc.stderr
+
+
+def test_collect_aggregates_reports_and_skips_corrupt_files(sandbox, tmp_path):
+    env, path = sandbox
+    reports = tmp_path / "reports"
+    env = {**env, "DRAMA3_PATCHES_REPORT_DIR": str(reports)}
+    from support.subproc import run_python
+
+    pids = [run_python("import os, d3p_target; print(os.getpid())", env=env, pythonpath=path).stdout.strip()
+            for _ in range(2)]
+    (reports / "999999.json").write_text("{not json")
+    (reports / "999998.json").write_text(json.dumps({"patches": "nope"}))
+    proc = run_cli("status", "--collect", str(reports))
+    assert proc.returncode == 0, proc.stderr
+    for pid in pids:
+        assert pid in proc.stdout
+    assert "2 process report(s)" in proc.stdout
+    assert f"selftest: applied in pid {', '.join(sorted(pids))}" in proc.stdout
+    assert "999999.json: not valid JSON" in proc.stderr
+    assert "999998.json: no 'patches' list" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    data = json.loads(run_cli("status", "--collect", str(reports), "--json").stdout)
+    assert len(data["processes"]) == 2 and len(data["skipped"]) == 2
+
+
+def test_collect_unreadable_directory_exit_2(tmp_path):
+    proc = run_cli("status", "--collect", str(tmp_path / "missing"))
+    assert proc.returncode == 2
+    assert "cannot read report directory" in proc.stderr and "Traceback" not in proc.stderr
+    if os.geteuid() != 0:  # root reads a mode-000 directory anyway
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0)
+        assert run_cli("status", "--collect", str(locked)).returncode == 2
