@@ -1,0 +1,123 @@
+"""mamba-prefill-end: vLLM-Ascend's Mamba manager accepts the ``prefill_end`` vLLM passes.
+
+vLLM (0.31 and later) calls ``get_num_blocks_to_allocate(..., prefill_end=...)`` on every
+single-type KV-cache manager from the scheduler's allocation path. vLLM-Ascend replaces vLLM's
+``MambaManager`` with ``AscendMambaManager``, whose override of that method has no
+``prefill_end`` and no ``**kwargs``: the first scheduling step of a hybrid model raises
+``TypeError`` in the engine-core process.
+
+For each target method the plan compares signatures (never versions): it wraps the method when
+the method it overrides in vLLM takes ``prefill_end`` and the Ascend one takes neither
+``prefill_end`` nor ``**kwargs``. The wrapper drops the value; the Ascend body then calls vLLM's
+method without it, which uses vLLM's default (0: a prefill checkpoint block may be reserved on
+every chunk rather than only the last one, the behaviour before vLLM added the argument).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+from drama3_patches.logger import init_logger
+from drama3_patches.patchlib import PatchContext, accepts, wrap
+
+logger = init_logger(__name__)
+
+ARG = "prefill_end"
+
+
+def _owner(target: str):
+    module_name, qualname = target.split(":")
+    owner = sys.modules[module_name]
+    for part in qualname.split(".")[:-1]:
+        owner = getattr(owner, part)
+    return owner, qualname.split(".")[-1]
+
+
+def _inherited(cls: type, name: str):
+    """The method ``cls.name`` overrides: the next definition in the MRO."""
+    for base in cls.__mro__[1:]:
+        if name in base.__dict__:
+            return getattr(base, name)
+    return None
+
+
+def _names(func, arg: str) -> bool:
+    try:
+        return arg in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def needs_prefill_end(cls: type, name: str) -> str | None:
+    """None when ``cls.name`` must be wrapped, else why it is fine as it is."""
+    own = cls.__dict__.get(name)
+    func = own.__func__ if isinstance(own, (staticmethod, classmethod)) else own
+    if not callable(func):
+        return f"{cls.__qualname__}.{name} is not a method defined on the class"
+    parent = _inherited(cls, name)
+    if parent is None or not _names(parent, ARG):
+        return f"the method it overrides takes no {ARG}, so vLLM does not pass it"
+    if accepts(func, ARG):
+        return f"{cls.__qualname__}.{name} already accepts {ARG} (or **kwargs)"
+    return None
+
+
+def _build(func, parent) -> callable:
+    sig = inspect.signature(func)
+    params = list(sig.parameters.values())
+    positional = [
+        p for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    has_var_positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    default = inspect.signature(parent).parameters[ARG].default
+    kind = inspect.Parameter.KEYWORD_ONLY if has_var_positional else inspect.Parameter.POSITIONAL_OR_KEYWORD
+    new_sig = sig.replace(parameters=[*params, inspect.Parameter(ARG, kind, default=default)])
+    # A positional prefill_end can only be the one argument past the original's positionals.
+    max_positional = None if has_var_positional else len(positional)
+
+    @wrap(func, signature=new_sig)
+    def wrapper(*args, **kwargs):
+        kwargs.pop(ARG, None)
+        if max_positional is not None and len(args) == max_positional + 1:
+            args = args[:-1]
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def plan(ctx: PatchContext) -> dict:
+    out = {}
+    for target in ctx.targets:
+        cls, name = _owner(target)
+        why_not = needs_prefill_end(cls, name)
+        if why_not is not None:
+            ctx.leave(target, why_not)
+            continue
+        raw = ctx.original(target)
+        func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        wrapper = _build(func, _inherited(cls, name))
+        out[target] = type(raw)(wrapper) if isinstance(raw, (staticmethod, classmethod)) else wrapper
+    _warn_unlisted(ctx)
+    return out
+
+
+def _warn_unlisted(ctx: PatchContext) -> None:
+    """Name other methods of the patched classes that also drop prefill_end (manifest gap)."""
+    listed = set(ctx.targets)
+    seen = set()
+    for target in ctx.targets:
+        cls, _ = _owner(target)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        module_name = target.split(":")[0]
+        for name, value in vars(cls).items():
+            if not callable(value) or f"{module_name}:{cls.__qualname__}.{name}" in listed:
+                continue
+            if needs_prefill_end(cls, name) is None:
+                logger.warning(
+                    "drama3-patches: %s.%s also lacks %s that vLLM passes; it is not in the "
+                    "manifest's mamba-prefill-end targets", cls.__qualname__, name, ARG,
+                )

@@ -1,0 +1,244 @@
+"""runner-selection: each vLLM-Omni stage on NPU runs the model runner its deploy config names.
+
+Four targets, all in vLLM-Omni:
+
+* the deploy loader ``_apply_platform_overrides`` stops refusing ``model_runner: v2`` for the
+  ``npu`` platform (``xpu`` keeps its error); a ``platforms.npu.model_runner`` entry still works;
+* ``NPUARWorker.__init__`` and ``NPUGenerationWorker.__init__`` take ``use_v2_model_runner`` from
+  their own stage's ``model_config`` (default False), right after the parent constructor set the
+  process-wide value (vLLM's property, replaced by vLLM-Ascend's), so ``init_device`` sees it;
+  the generation (DAC) worker refuses V2, naming its stage;
+* ``NPUARWorker.init_device`` builds the NPU Omni V2 AR runner when its stage asks for V2 (one
+  that the installed vLLM-Omni ships, else ours: ``_npu_omni_ar_runner``), constructed inside
+  vLLM-Ascend's ``torch_cuda_wrapper()``, and the V1 runner otherwise; it logs which one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+import sys
+from types import SimpleNamespace
+
+from drama3_patches.logger import init_logger
+from drama3_patches.patchlib import PatchContext, wrap
+
+logger = init_logger(__name__)
+
+DEPLOY_LOADER = "vllm_omni.config.stage_config:_apply_platform_overrides"
+AR_INIT = "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.__init__"
+AR_INIT_DEVICE = "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device"
+GENERATION_INIT = "vllm_omni.platforms.npu.worker.npu_generation_worker:NPUGenerationWorker.__init__"
+
+ASCEND_V2_RUNNER = "vllm_ascend.worker.v2.model_runner:NPUModelRunner"
+OMNI_V2_AR_RUNNER = "vllm_omni.worker_v2.omni_ar_model_runner:OmniARModelRunner"
+CUDA_WRAPPER = "vllm_ascend.worker.v2.utils:torch_cuda_wrapper"
+# Where a vLLM-Omni release would put an NPU V2 runner of its own.
+SHIPPED_RUNNER_PACKAGES = ("vllm_omni.platforms.npu.worker", "vllm_omni.platforms.npu.worker_v2")
+
+
+def _load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# -- the deploy loader ------------------------------------------------------------------------
+
+
+def _refuses_v2_on_npu(original) -> bool:
+    module = sys.modules.get(original.__module__)
+    deploy_cls = getattr(module, "DeployConfig", None)
+    try:
+        probe = deploy_cls(model_runner="v2")
+    except Exception:
+        probe = SimpleNamespace(model_runner="v2", platforms=None, stages=[])
+    try:
+        original(probe, "npu")
+    except NotImplementedError:
+        return True
+    return False
+
+
+def _current_omni_platform(fallback: str) -> str | None:
+    # How the original resolves platform=None; our own platform when vLLM-Omni cannot say.
+    try:
+        from vllm_omni.platforms import current_omni_platform
+    except ImportError:
+        return fallback
+    name = current_omni_platform.device_name
+    return name.lower() if name is not None else None
+
+
+def _deploy_loader(ctx: PatchContext, original):
+    @wrap(original)
+    def _apply_platform_overrides(deploy, platform=None):
+        resolved = platform if platform is not None else _current_omni_platform(ctx.platform)
+        if resolved != "npu":
+            return original(deploy, platform)
+        platforms = deploy.platforms
+        section = (platforms or {}).get("npu")
+        runner = section.get("model_runner", deploy.model_runner) if isinstance(section, dict) else deploy.model_runner
+        if runner != "v2":
+            return original(deploy, resolved)  # v1, or a bad value the original reports
+        # Let the original merge everything else with V1 standing in for V2, then put V2 back.
+        saved_runner = deploy.model_runner
+        if isinstance(section, dict) and "model_runner" in section:
+            deploy.platforms = {
+                **platforms, "npu": {k: v for k, v in section.items() if k != "model_runner"},
+            }
+        deploy.model_runner = "v1"
+        try:
+            result = original(deploy, resolved)
+        except BaseException:
+            deploy.model_runner = saved_runner
+            raise
+        finally:
+            deploy.platforms = platforms
+        result.model_runner = "v2"
+        return result
+
+    return _apply_platform_overrides
+
+
+# -- the workers' stage flag ------------------------------------------------------------------
+
+
+def _stage_of(model_config) -> str:
+    return f"stage {getattr(model_config, 'stage_id', '?')} ({getattr(model_config, 'model_stage', None) or 'unnamed'})"
+
+
+def stage_wants_v2(model_config) -> bool:
+    return bool(getattr(model_config, "use_v2_model_runner", False))
+
+
+def _vllm_config_arg(args, kwargs):
+    return kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
+
+
+def _ar_init(ctx: PatchContext, original):
+    @wrap(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # The parent set the process-wide choice; the stage's own choice wins.
+        self.use_v2_model_runner = stage_wants_v2(self.vllm_config.model_config)
+
+    return __init__
+
+
+def _generation_init(ctx: PatchContext, original):
+    @wrap(original)
+    def __init__(self, *args, **kwargs):
+        vllm_config = _vllm_config_arg(args, kwargs)
+        model_config = getattr(vllm_config, "model_config", None)
+        if stage_wants_v2(model_config):
+            raise ValueError(
+                f"{_stage_of(model_config)} runs on {type(self).__name__}, which has no Model "
+                "Runner V2 on NPU; set `model_runner: v1` for this stage in the deploy config"
+            )
+        original(self, *args, **kwargs)
+        self.use_v2_model_runner = False
+
+    return __init__
+
+
+# -- the AR worker's runner -------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_npu_v2_ar_runner():
+    """An NPU V2 AR runner that vLLM-Omni itself ships, found by what it is, else None.
+
+    A class counts when it subclasses both vLLM-Omni's OmniARModelRunner and vLLM-Ascend's V2
+    NPUModelRunner; only ``*model_runner`` modules of the NPU worker packages are looked at.
+    """
+    omni_ar, ascend_v2 = _load(OMNI_V2_AR_RUNNER), _load(ASCEND_V2_RUNNER)
+    for package_name in SHIPPED_RUNNER_PACKAGES:
+        try:
+            package = importlib.import_module(package_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and package_name.startswith(exc.name):
+                continue
+            raise
+        for info in pkgutil.iter_modules(getattr(package, "__path__", [])):
+            if not info.name.endswith("model_runner"):
+                continue
+            module = importlib.import_module(f"{package_name}.{info.name}")
+            for value in vars(module).values():
+                if (
+                    isinstance(value, type)
+                    and value.__module__ == module.__name__
+                    and issubclass(value, omni_ar)
+                    and issubclass(value, ascend_v2)
+                ):
+                    return value
+    return None
+
+
+def npu_omni_ar_runner_class():
+    shipped = shipped_npu_v2_ar_runner()
+    if shipped is not None:
+        return shipped
+    from drama3_patches.patches._npu_omni_ar_runner import NPUOmniARModelRunner
+
+    return NPUOmniARModelRunner
+
+
+def _built_under_cuda_wrapper(runner_cls):
+    torch_cuda_wrapper = _load(CUDA_WRAPPER)
+
+    def build(vllm_config, device):
+        # The whole Omni stack, not only vLLM-Ascend's part, creates torch.cuda events/streams.
+        with torch_cuda_wrapper():
+            return runner_cls(vllm_config, device)
+
+    return build
+
+
+def _ar_init_device(ctx: PatchContext, original):
+    @wrap(original)
+    def init_device(self):
+        model_config = self.vllm_config.model_config
+        if not getattr(self, "use_v2_model_runner", False):
+            original(self)
+            logger.info("Using MR v1 %s on NPU for %s", type(self.model_runner).__name__, _stage_of(model_config))
+            return
+        runner_cls = npu_omni_ar_runner_class()
+        # The original builds `self.model_runner_cls(vllm_config, device)`; shadow it for this call.
+        self.model_runner_cls = _built_under_cuda_wrapper(runner_cls)
+        try:
+            original(self)
+        finally:
+            del self.model_runner_cls
+        if not isinstance(self.model_runner, runner_cls):
+            raise RuntimeError(
+                f"{type(self).__qualname__}.init_device built {type(self.model_runner).__qualname__}, "
+                f"not {runner_cls.__qualname__}: it no longer builds through model_runner_cls"
+            )
+        logger.info(
+            "Using MR v2 %s (OmniARModelRunner on vLLM-Ascend NPUModelRunner) on NPU for %s",
+            runner_cls.__qualname__, _stage_of(model_config),
+        )
+
+    return init_device
+
+
+_BUILDERS = {
+    AR_INIT: _ar_init,
+    AR_INIT_DEVICE: _ar_init_device,
+    GENERATION_INIT: _generation_init,
+}
+
+
+def plan(ctx: PatchContext) -> dict:
+    out = {}
+    for target in ctx.targets:
+        original = ctx.original(target)
+        if target == DEPLOY_LOADER:
+            if not _refuses_v2_on_npu(original):
+                ctx.leave(target, "the deploy loader already accepts model_runner v2 on npu")
+                continue
+            out[target] = _deploy_loader(ctx, original)
+        else:
+            out[target] = _BUILDERS[target](ctx, original)
+    return out

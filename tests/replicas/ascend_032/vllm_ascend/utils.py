@@ -1,0 +1,17 @@
+# Stand-in for vllm-project/vllm-ascend 0.32.0 as the Drama 3 port used it (not public; per the
+# port's review, it matches public main except where noted), after vllm_ascend/utils.py (adapt_patch), public main of
+# 2026-08-22 (commit 182b75ea84). Upstream imports the `vllm_ascend.patch.platform` package,
+# whose __init__ imports patch_mamba_manager and patch_use_v2_model_runner; replica package
+# __init__ files stay empty, so this imports the two modules directly. Upstream calls
+# adapt_patch(is_global_patch=True) from vllm_ascend._ensure_global_patch (the general-plugin
+# entry points vLLM loads in every process, the engine core included) and from
+# NPUPlatform.pre_register_and_update; NPUWorker.__init__ calls adapt_patch().
+
+
+def adapt_patch(is_global_patch: bool = False):
+    if is_global_patch:
+        import vllm_ascend.patch.platform.patch_mamba_manager  # noqa: F401
+        import vllm_ascend.patch.platform.patch_use_v2_model_runner  # noqa: F401
+    else:
+        # patch/worker/patch_v2/patch_use_v2_model_runner.py re-imports the platform patch.
+        import vllm_ascend.patch.platform.patch_use_v2_model_runner  # noqa: F401
