@@ -1,0 +1,136 @@
+"""A stand-in for vLLM-Omni's streaming ``POST /v1/audio/speech`` with injected timing.
+
+The wire format follows vllm-omni 0.30.0 ``entrypoints/openai/serving_speech.py``:
+SSE events ``speech.audio.delta`` (base64 ``audio``), ``speech.audio.done`` and
+``speech.audio.error``; for ``wav`` the 44-byte header (data size 0xFFFFFFFF)
+is its own first chunk; ``stream_format: audio`` sends the raw bytes.
+
+What each request does is read from its ``input`` text, ``key=value`` words:
+``first`` (s before the first samples), ``header`` (s before the WAV header),
+``audio`` (s of audio), ``chunks``, ``gap`` (s between chunks), and ``mode``:
+``ok``, ``error`` (error event after partial audio), ``cut`` (connection closed
+inside a chunk), ``nodone`` (clean end without ``speech.audio.done``), ``http500``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+NATIVE_RATE = 16000
+
+
+def wav_header(rate: int, channels: int = 1, bits: int = 16) -> bytes:
+    return struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", 0xFFFFFFFF, b"WAVE", b"fmt ", 16, 1, channels, rate,
+                       rate * channels * bits // 8, channels * bits // 8, bits, b"data", 0xFFFFFFFF)
+
+
+def parse_spec(text: str) -> dict:
+    spec = {"first": 0.0, "header": 0.0, "audio": 1.0, "chunks": 4, "gap": 0.0, "mode": "ok"}
+    for word in text.split():
+        key, sep, value = word.partition("=")
+        if sep and key in spec:
+            spec[key] = value if key == "mode" else (int(value) if key == "chunks" else float(value))
+    return spec
+
+
+class SpeechServer:
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.requests.append({"path": self.path, **body})
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    self._speak(body)
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+            def _chunk(self, data: bytes):
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            def _speak(self, body):
+                spec = parse_spec(body["input"])
+                if spec["mode"] == "http500":
+                    msg = b'{"error": "boom"}'
+                    self.send_response(500)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                rate = int(body.get("sample_rate") or NATIVE_RATE)
+                fmt = body.get("response_format", "wav")
+                sse = body.get("stream_format") in (None, "sse")
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream" if sse else f"audio/{fmt}")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+
+                def emit(data: bytes):
+                    if sse:
+                        payload = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode(),
+                                   "response_format": fmt}
+                        self._chunk(f"event: speech.audio.delta\ndata: {json.dumps(payload)}\n\n".encode())
+                    else:
+                        self._chunk(data)
+
+                t0 = time.perf_counter()
+                total = int(round(spec["audio"] * rate)) * 2
+                pieces = [total // spec["chunks"]] * spec["chunks"]
+                pieces[-1] += total - sum(pieces)
+                if fmt == "wav":
+                    time.sleep(max(0.0, spec["header"] - (time.perf_counter() - t0)))
+                    emit(wav_header(rate))
+                time.sleep(max(0.0, spec["first"] - (time.perf_counter() - t0)))
+                for i, n in enumerate(pieces):
+                    if i:
+                        time.sleep(spec["gap"])
+                    if spec["mode"] == "cut" and i == len(pieces) // 2:
+                        self.wfile.write(b"400\r\npartial")  # a chunk that never completes
+                        self.wfile.flush()
+                        self.close_connection = True
+                        return
+                    emit(b"\x01\x02" * (n // 2))
+                    if spec["mode"] == "error" and i == 0:
+                        err = {"type": "speech.audio.error", "error": {
+                            "message": "injected failure", "type": "server_error", "param": None, "code": 500,
+                            "partial_audio": True, "action": "discard"}}
+                        self._chunk(f"event: speech.audio.error\ndata: {json.dumps(err)}\n\n".encode())
+                        self._chunk(b"")
+                        return
+                if sse and spec["mode"] != "nodone":
+                    done = {"type": "speech.audio.done", "usage": {"output_tokens": len(pieces)}}
+                    self._chunk(f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n".encode())
+                self._chunk(b"")  # zero-length chunk: end of body
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
