@@ -1,0 +1,6 @@
+"""Device-agnostic eager torch kernels used by the patches.
+
+Nothing is imported here on purpose: importing ``drama3_patches`` must not
+import torch.  Import the submodule you need (``drama3_patches.kernels.norms``,
+``.rope``, ``.gating``, ``.qk_norm_rope_gate``, ``.sampling``).
+"""
