@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -20,92 +19,9 @@ import pytest
 from drama3_patches import planner
 from drama3_patches.cards import GIB, lookup
 from drama3_patches.commands import plan as plan_cmd
+from support.checkpoints import CFG, STANDIN_CFG, tensor_specs, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
-
-# A small Qwen3-Next-shaped model: 4 layers, every 2nd full attention, 8 block-FP8 experts.
-CFG = dict(
-    model_type="qwen3_next", hidden_size=256, num_hidden_layers=4, full_attention_interval=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-    linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-    vocab_size=1000, torch_dtype="bfloat16",
-    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-)
-SIZES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
-
-
-def tensor_specs(cfg=CFG):
-    """(name, dtype, shape) of every tensor, with Qwen3-Next checkpoint names."""
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
-    nh, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
-    E, I, SI = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
-    b = 128
-    out = [("model.embed_tokens.weight", "BF16", (V, H)), ("lm_head.weight", "BF16", (V, H)),
-           ("model.norm.weight", "BF16", (H,))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", "BF16", (H,)), (p + "post_attention_layernorm.weight", "BF16", (H,))]
-        if (i + 1) % cfg["full_attention_interval"] == 0:
-            a = p + "self_attn."
-            out += [(a + "q_proj.weight", "BF16", (nh * hd * 2, H)), (a + "k_proj.weight", "BF16", (kv * hd, H)),
-                    (a + "v_proj.weight", "BF16", (kv * hd, H)), (a + "o_proj.weight", "BF16", (H, nh * hd)),
-                    (a + "q_norm.weight", "BF16", (hd,)), (a + "k_norm.weight", "BF16", (hd,))]
-        else:
-            a = p + "linear_attn."
-            out += [(a + "in_proj_qkvz.weight", "BF16", (2 * nk * dk + 2 * nv * dv, H)),
-                    (a + "in_proj_ba.weight", "BF16", (2 * nv, H)),
-                    (a + "conv1d.weight", "BF16", (2 * nk * dk + nv * dv, 1, K)),
-                    (a + "A_log", "F32", (nv,)), (a + "dt_bias", "BF16", (nv,)), (a + "norm.weight", "F32", (dv,)),
-                    (a + "out_proj.weight", "BF16", (H, nv * dv))]
-        m = p + "mlp."
-        out += [(m + "gate.weight", "BF16", (E, H)), (m + "shared_expert_gate.weight", "BF16", (1, H)),
-                (m + "shared_expert.gate_proj.weight", "BF16", (SI, H)),
-                (m + "shared_expert.up_proj.weight", "BF16", (SI, H)),
-                (m + "shared_expert.down_proj.weight", "BF16", (H, SI))]
-        for e in range(E):
-            x = f"{m}experts.{e}."
-            for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                out += [(x + proj + ".weight", "F8_E4M3", shape),
-                        (x + proj + ".weight_scale_inv", "F32", (-(-shape[0] // b), -(-shape[1] // b)))]
-    return out
-
-
-def write_safetensors(path: Path, specs, sparse=False):
-    """The safetensors format by hand: u64 header length, JSON header, then the data."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, dtype, shape in specs:
-        n = math.prod(shape) * SIZES[dtype]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        if sparse:
-            fh.truncate(8 + len(raw) + offset)
-        else:
-            fh.write(b"\x11" * offset)  # not zeros: nothing here may be read anyway
-    return 8 + len(raw)
-
-
-def write_checkpoint(d: Path, cfg=CFG, shards=1, sparse=False):
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg))
-    specs = tensor_specs(cfg)
-    if shards == 1:
-        return write_safetensors(d / "model.safetensors", specs, sparse)
-    per = -(-len(specs) // shards)
-    weight_map, total = {}, 0
-    for k in range(shards):
-        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        part = specs[k * per:(k + 1) * per]
-        total += write_safetensors(d / fname, part, sparse)
-        weight_map.update({name: fname for name, _, _ in part})
-    (d / planner.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return total
 
 
 def expected(cfg, tp, ep):
@@ -280,10 +196,7 @@ def test_text_report(ckpt):
 
 def test_drama3_scale_tp1_on_910b1_does_not_fit(tmp_path):
     """A checkpoint of real size (sparse files: headers written, data never touched)."""
-    cfg = dict(CFG, hidden_size=2048, num_hidden_layers=48, full_attention_interval=4, num_attention_heads=16,
-               num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-               linear_key_head_dim=128, linear_value_head_dim=128, num_experts=128, moe_intermediate_size=768,
-               shared_expert_intermediate_size=768, vocab_size=151936)
+    cfg = STANDIN_CFG
     write_checkpoint(tmp_path / "big", cfg, shards=4, sparse=True)
     if sum(p.stat().st_blocks for p in (tmp_path / "big").glob("*.safetensors")) * 512 > 1 << 30:
         pytest.skip("this file system does not keep sparse files sparse")

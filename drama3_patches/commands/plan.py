@@ -89,8 +89,13 @@ def run(args) -> int:
         ("routed experts as stored (FP8 + scales)", f["experts_stored"]),
         ("routed experts after bfloat16 expansion", f["experts_bf16"]),
         (f"weights resident (experts {f['expert_mode']})", f["resident"]),
-        ("transient load peak (patched: host expansion, per layer)", f["load_peak"]),
-        ("transient load peak, unpatched (FP8 + device transpose)", f["load_peak_unpatched"]),
+    ]
+    if f["expert_mode"].startswith("expanded"):
+        rows += [("transient load peak (patched: host expansion, per layer)", f["load_peak"]),
+                 ("transient load peak, unpatched (FP8 + device transpose)", f["load_peak_unpatched"])]
+    else:
+        rows += [("transient load peak (one layer staged)", f["load_peak"])]
+    rows += [
         (f"stage budget ({opts.gpu_memory_utilization:g} x {card.memory_gib:g} GiB)", f["budget"]),
         ("reserve: activations, workspace (estimate)", f["reserve"]),
         ("left for KV cache + linear-attention state", f["left_for_cache"]),
