@@ -1,0 +1,321 @@
+"""A simulated ``npu`` device for tests on hosts without an Ascend card.
+
+What it gives (after :func:`enable`):
+
+* ``torch.device("npu")`` is valid: PrivateUse1 is renamed to ``npu``
+  (``torch.utils.rename_privateuse1_backend``) and set up as a Python backend.
+* Tensors made on ``npu`` (``torch.empty/zeros/full(..., device="npu")``,
+  ``t.to("npu")``, ``t.npu()``, :func:`to_npu`) are :class:`FakeNpuTensor`:
+  ``device.type == "npu"``, ``is_cuda is False``, ``is_npu is True``. Their
+  data lives in a private CPU tensor; every aten op runs on it and the result
+  is wrapped again, so views, in-place ops and ``clone()`` stay on ``npu``.
+* Leaving the device is explicit, as on a real card: ``.to("cpu")``,
+  ``.cpu()``, ``cpu_tensor.copy_(npu_tensor)``.
+* Mixing with CPU tensors raises ``RuntimeError("Expected all tensors to be on
+  the same device ...")`` like a real device does, in ``torch.cat``,
+  arithmetic, ``index_copy``, ``torch.equal`` ...  Exceptions, as on CUDA:
+  0-dim CPU tensors act as scalars in arithmetic, CPU index tensors are
+  accepted by advanced indexing (``x[idx]``, ``x[idx] = v``), and copies.
+* :func:`record_transfers` records every host<->device copy with its
+  ``non_blocking`` flag, so a test can check how data left the device.
+
+Limits: single device (``npu:0``); no autograd; no pinned memory; ``out=``
+arguments that would be resized are not supported.  Copies are synchronous
+(a real ``non_blocking`` copy to pinned memory is not).
+
+``enable()`` changes process-wide torch state that cannot be undone (the
+backend name, ``torch.npu``, ``Tensor.npu``).  Tests that use it run in a
+fresh interpreter: decorate them with :func:`in_fresh_process`.
+
+Use::
+
+    from support import fake_npu          # tests/conftest.py puts tests/ on sys.path
+
+    @fake_npu.in_fresh_process
+    def test_something():
+        fake_npu.enable()
+        x = torch.arange(4).to("npu")     # FakeNpuTensor on npu:0
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.cat([x, torch.arange(2)])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "DEVICE",
+    "FakeNpuTensor",
+    "Transfer",
+    "enable",
+    "in_fresh_process",
+    "is_fake_npu",
+    "record_transfers",
+    "to_npu",
+]
+
+DEVICE = "npu:0"  # a string: torch.device("npu") is only valid after enable()
+_ENABLED = False
+_LIB = None  # keeps the aten registrations alive
+_TRANSFER_LOGS: list[list["Transfer"]] = []
+
+_aten = torch.ops.aten
+# Ops that may legally see npu and cpu tensors together.
+_COPY_OPS = {_aten.copy_.default, _aten._to_copy.default}
+_INDEX_OPS = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default}
+
+
+class Transfer(tuple):
+    """``(direction, non_blocking)``; direction is ``"d2h"``, ``"h2d"`` or ``"d2d"``."""
+
+    __slots__ = ()
+
+    def __new__(cls, direction: str, non_blocking: bool):
+        return super().__new__(cls, (direction, bool(non_blocking)))
+
+    @property
+    def direction(self) -> str:
+        return self[0]
+
+    @property
+    def non_blocking(self) -> bool:
+        return self[1]
+
+
+def _log(direction: str, non_blocking: bool) -> None:
+    for log in _TRANSFER_LOGS:
+        log.append(Transfer(direction, non_blocking))
+
+
+@contextlib.contextmanager
+def record_transfers() -> Iterator[list[Transfer]]:
+    """Collect the host/device copies made inside the block."""
+    log: list[Transfer] = []
+    _TRANSFER_LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _TRANSFER_LOGS.remove(log)
+
+
+def _is_npu_device(device: Any) -> bool:
+    return device is not None and torch.device(device).type == "npu"
+
+
+class FakeNpuTensor(torch.Tensor):
+    """A tensor on the simulated ``npu`` device (data kept in ``_data`` on CPU)."""
+
+    _data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        assert type(data) is torch.Tensor and data.device.type == "cpu"
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=torch.device(DEVICE),
+            requires_grad=False,
+        )
+        r._data = data
+        return r
+
+    # Only the aten level is intercepted: torch functions decompose to it.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
+        return f"FakeNpuTensor({self._data!r}, device='{self.device}')"
+
+    def tolist(self):  # a real device answers tolist() with an implicit device-to-host copy
+        _log("d2h", False)
+        return self._data.tolist()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is _aten.copy_.default:
+            return _copy(args[0], args[1], bool(kwargs.get("non_blocking", len(args) > 2 and args[2])))
+        if func is _aten._to_copy.default:
+            return _to_copy(args[0], kwargs)
+        _check_same_device(func, args, kwargs)
+        by_id = {}
+
+        def unwrap(t):
+            if isinstance(t, FakeNpuTensor):
+                by_id[id(t._data)] = t
+                return t._data
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if "device" in kwargs and not _is_npu_device(kwargs["device"]):
+            return out  # e.g. empty_like(x, device="cpu")
+
+        def wrap(t):
+            if type(t) is torch.Tensor:
+                # In-place and out= ops return their input: give back the same wrapper.
+                same = by_id.get(id(t))
+                return same if same is not None else FakeNpuTensor(t)
+            return t
+
+        return tree_map(wrap, out)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    d_npu, s_npu = isinstance(dst, FakeNpuTensor), isinstance(src, FakeNpuTensor)
+    _log({(True, True): "d2d", (True, False): "h2d", (False, True): "d2h"}[(d_npu, s_npu)], non_blocking)
+    (dst._data if d_npu else dst).copy_(src._data if s_npu else src)
+    return dst
+
+
+def _to_copy(src: FakeNpuTensor, kwargs: dict) -> torch.Tensor:
+    device = kwargs.pop("device", None)
+    non_blocking = bool(kwargs.pop("non_blocking", False))
+    if kwargs.pop("pin_memory", None):
+        raise RuntimeError("the simulated npu device has no pinned memory")
+    out = _aten._to_copy.default(src._data, **kwargs)
+    if out is src._data:  # _to_copy always copies; keep our own buffer private anyway
+        out = out.clone()
+    if device is not None and not _is_npu_device(device):
+        _log("d2h", non_blocking)
+        return out
+    _log("d2d", non_blocking)
+    return FakeNpuTensor(out)
+
+
+def _check_same_device(func, args, kwargs) -> None:
+    flat, _ = tree_flatten((args, kwargs))
+    if func in _INDEX_OPS:
+        # CPU index tensors are fine for advanced indexing, as on CUDA.
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        skip = {id(i) for i in indices if isinstance(i, torch.Tensor)}
+        flat = [t for t in flat if id(t) not in skip]
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    on_cpu = [t for t in tensors if not isinstance(t, FakeNpuTensor) and t.device.type == "cpu"]
+    if not on_cpu or len(on_cpu) == len(tensors):
+        return
+    # A 0-dim CPU tensor is a scalar operand for elementwise math, not for cat & co.
+    if all(t.dim() == 0 for t in on_cpu) and func not in (_aten.cat.default, _aten.stack.default):
+        return
+    raise RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"{DEVICE} and cpu! (when checking arguments for {func})"
+    )
+
+
+def is_fake_npu(t: Any) -> bool:
+    return isinstance(t, FakeNpuTensor)
+
+
+def to_npu(t: torch.Tensor) -> FakeNpuTensor:
+    """Copy a CPU tensor to the simulated device (same as ``t.to("npu")``)."""
+    enable()
+    return t.to(DEVICE)
+
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return FakeNpuTensor(torch.empty(size, dtype=dtype, memory_format=memory_format))
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return FakeNpuTensor(torch.empty_strided(size, stride, dtype=dtype))
+
+
+def _copy_from(src, dst, non_blocking=False):
+    # Reached when torch builds an npu tensor below the Python dispatch key (torch.tensor(..., device=)).
+    return _copy(dst, src, non_blocking)
+
+
+def _device_module() -> types.ModuleType:
+    mod = types.ModuleType("torch.npu", "simulated npu device module (tests only)")
+    mod.is_available = lambda: True
+    mod.is_initialized = lambda: True
+    mod._is_in_bad_fork = lambda: False
+    mod.device_count = lambda: 1
+    mod.current_device = lambda: 0
+    mod.set_device = lambda device: None
+    mod.manual_seed_all = lambda seed: None
+    mod.synchronize = lambda device=None: None  # every simulated copy is synchronous
+    return mod
+
+
+def enable() -> None:
+    """Register the simulated ``npu`` device in this process (idempotent, irreversible)."""
+    global _ENABLED, _LIB
+    if _ENABLED:
+        return
+    current = torch._C._get_privateuse1_backend_name()
+    if current != "privateuseone":
+        # Also the case when this file was imported under a second module name.
+        raise RuntimeError(
+            f"PrivateUse1 is already set up as {current!r} in this process; import this module once, "
+            "as `from support import fake_npu`"
+        )
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(rename="npu", backend_module=_device_module())
+    _LIB = torch.library.Library("aten", "IMPL")
+    _LIB.impl("empty.memory_format", _empty, "PrivateUse1")
+    _LIB.impl("empty_strided", _empty_strided, "PrivateUse1")
+    _LIB.impl("_copy_from", _copy_from, "PrivateUse1")
+    _ENABLED = True
+
+
+# --------------------------------------------------------------------------
+# Running a test in a fresh interpreter
+# --------------------------------------------------------------------------
+
+_CHILD_ENV = "DRAMA3_TEST_FRESH_PROCESS"
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_child(path: str, name: str) -> tuple[str, str]:
+    """Run ``pytest path::name`` in a fresh interpreter: ``(passed|skipped|failed, output)``."""
+    env = dict(os.environ, **{_CHILD_ENV: "1"})
+    roots = [str(_REPO), str(_REPO / "tests")]
+    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", f"{path}::{name}", "-q", "-rs", "-p", "no:cacheprovider"],
+        cwd=_REPO, env=env, capture_output=True, text=True,
+    )
+    text = proc.stdout[-8000:] + proc.stderr[-2000:]
+    if proc.returncode == 0 and " passed" in proc.stdout:
+        return "passed", text
+    if proc.returncode == 0 and " skipped" in proc.stdout:
+        return "skipped", text
+    return "failed", text
+
+
+def in_fresh_process(test):
+    """Decorator: run this pytest test function in a fresh interpreter.
+
+    The parent runs ``pytest <file>::<name>`` in a subprocess and reports its
+    outcome (pass, skip with the child's reason, or fail with its output).
+    Fixtures work (the child resolves them again); parametrized tests do not.
+    """
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        if os.environ.get(_CHILD_ENV) == "1":
+            return test(*args, **kwargs)
+        import pytest
+
+        outcome, text = _run_child(str(Path(test.__code__.co_filename).resolve()), test.__name__)
+        if outcome == "skipped":
+            reason = [ln for ln in text.splitlines() if ln.startswith("SKIPPED")]
+            pytest.skip(reason[0] if reason else "skipped in the fresh process")
+        if outcome == "failed":
+            pytest.fail(f"fresh-process run of {test.__name__} failed:\n{text}", pytrace=False)
+
+    return wrapper
