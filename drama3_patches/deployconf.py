@@ -9,7 +9,6 @@ a typo there would go unnoticed: this check names it instead.
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
 PACKAGE = "drama3_patches.deploy"
@@ -59,6 +58,8 @@ def profile_names() -> list[str]:
 def profile_text(name: str) -> str:
     if name not in PROFILES:
         raise KeyError(f"unknown deploy profile {name!r}; known: {', '.join(profile_names())}")
+    from importlib import resources  # not at import time: the CLI builds its parser from this module
+
     return resources.files(PACKAGE).joinpath(PROFILES[name]).read_text(encoding="utf-8")
 
 
