@@ -111,31 +111,38 @@ class Checkpoint:
     path: str
     config: dict
     text_config: dict
+    text_section: str
     files: list[str]
     tensors: dict[str, Tensor]
     header_bytes_read: int = 0
 
 
-def _text_config(config: dict) -> dict:
-    """The dict holding the language model's fields (top level or a nested text config)."""
+_PREFERRED = ("text_config", "llm_config", "language_config", "thinker_config", "slow_ar_config", "backbone_config")
+
+
+def _text_config(config: dict, prefix: str = "") -> tuple[str, dict]:
+    """(dotted key, dict) of the language model's fields: the top level, else a nested section."""
     if "num_hidden_layers" in config and "hidden_size" in config:
-        return config
-    for key in ("text_config", "llm_config", "language_config", "thinker_config", "slow_ar_config",
-                "backbone_config"):
-        sub = config.get(key)
-        if isinstance(sub, dict):
-            found = _text_config(sub)
-            if found:
-                return found
-    for sub in config.values():
-        if isinstance(sub, dict):
-            found = _text_config(sub)
-            if found:
-                return found
-    return {}
+        return prefix or "(top level)", config
+    keys = [k for k in _PREFERRED if isinstance(config.get(k), dict)]
+    keys += [k for k, v in config.items() if isinstance(v, dict) and k not in keys]
+    for key in keys:
+        found = _text_config(config[key], f"{prefix}.{key}" if prefix else key)
+        if found[1]:
+            return found
+    return "", {}
 
 
-def load_checkpoint(path: str) -> Checkpoint:
+def _section(config: dict, dotted: str) -> dict:
+    node = config
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    if not isinstance(node, dict):
+        raise PlanError(f"config.json: no section {dotted!r}")
+    return node
+
+
+def load_checkpoint(path: str, section: str | None = None) -> Checkpoint:
     if not os.path.isdir(path):
         raise PlanError(f"{path}: not a directory")
     cfg_path = os.path.join(path, "config.json")
@@ -146,7 +153,14 @@ def load_checkpoint(path: str) -> Checkpoint:
             config = json.load(fh)
     except ValueError as exc:
         raise PlanError(f"{cfg_path}: not valid JSON ({exc})") from None
-    text = _text_config(config) if isinstance(config, dict) else {}
+    if not isinstance(config, dict):
+        raise PlanError(f"{cfg_path}: not a JSON object")
+    if section:
+        where, text = section, _section(config, section)
+        if "num_hidden_layers" not in text or "hidden_size" not in text:
+            raise PlanError(f"config.json: section {section!r} has no num_hidden_layers and hidden_size")
+    else:
+        where, text = _text_config(config)
     if not text:
         raise PlanError(f"{cfg_path}: no language-model section with num_hidden_layers and hidden_size")
 
@@ -177,7 +191,7 @@ def load_checkpoint(path: str) -> Checkpoint:
     for tname, f in expected.items():
         if tname not in tensors:
             raise PlanError(f"{INDEX_FILE} places {tname} in {f}, whose header does not have it")
-    return Checkpoint(path, config, text, files, tensors, read)
+    return Checkpoint(path, config, text, where, files, tensors, read)
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,24 @@ def test_bad_input_gets_one_clear_line(tmp_path, ckpt, case):
     assert len(lines) == 1 and lines[0].startswith("drama3-patches plan: ") and expect in lines[0], r.stderr
 
 
+def test_nested_config_sections(tmp_path, ckpt):
+    """An omni config.json: the language model's fields under text_config, another tower beside it."""
+    d = tmp_path / "omni"
+    write_checkpoint(d)
+    tower = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2}
+    (d / "config.json").write_text(json.dumps({"model_type": "fish_omni", "audio_decoder_config": tower,
+                                               "text_config": CFG}))
+    _, top = plan_json(ckpt, "--card", "910b1")
+    _, nested = plan_json(d, "--card", "910b1")
+    assert nested["config_section"] == "text_config"
+    assert nested["figures"] == top["figures"]
+    _, other = plan_json(d, "--card", "910b1", "--config-section", "audio_decoder_config")
+    assert other["config_section"] == "audio_decoder_config"
+    assert other["figures"]["kv_per_token"] == 2 * 2 * 2 * (64 // 2) * 2  # 2 full layers, K+V, 2 heads x 32
+    r = _cli(str(d), "--card", "910b1", "--config-section", "vocoder")
+    assert r.returncode == 2 and r.stderr.strip() == "drama3-patches plan: config.json: no section 'vocoder'"
+
+
 def test_safetensors_library_checkpoint_reads_the_same(tmp_path, ckpt):
     torch = pytest.importorskip("torch")
     st = pytest.importorskip("safetensors.torch")

@@ -23,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--reserve-gib", type=float, default=2.0,
                    help="activations, workspace and communication buffers per card (estimate; default 2)")
+    p.add_argument("--config-section", metavar="KEY[.KEY]",
+                   help="the config.json section of the language model (default: the top level, else the first "
+                        "nested section with num_hidden_layers and hidden_size, text_config first)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes)")
     p.set_defaults(func=run)
 
@@ -54,7 +57,7 @@ def run(args) -> int:
     if not 0 < args.gpu_memory_utilization <= 1:
         return fail("--gpu-memory-utilization must be in (0, 1]")
     try:
-        ckpt = load_checkpoint(args.checkpoint)
+        ckpt = load_checkpoint(args.checkpoint, args.config_section)
         opts = Options(card=card, tp=args.tp, ep=args.ep, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                        reserve_gib=args.reserve_gib)
@@ -70,7 +73,7 @@ def run(args) -> int:
             "tp": opts.tp, "ep": opts.ep, "max_num_seqs": opts.max_num_seqs, "max_model_len": opts.max_model_len,
             "gpu_memory_utilization": opts.gpu_memory_utilization, "figures": f, "fits": plan.fits,
             "problems": plan.problems, "smallest_fit": [{"tp": t, "ep": e} for t, e in fit],
-            "files": ckpt.files, "tensors": len(ckpt.tensors), "header_bytes_read": ckpt.header_bytes_read,
+            "config_section": ckpt.text_section, "files": ckpt.files, "tensors": len(ckpt.tensors), "header_bytes_read": ckpt.header_bytes_read,
         }, indent=2))
         return 0 if plan.fits else 1
 
@@ -78,7 +81,7 @@ def run(args) -> int:
     print(f"checkpoint: {ckpt.path}: {len(ckpt.files)} safetensors file(s), {len(ckpt.tensors)} tensors, "
           f"{ckpt.header_bytes_read} header bytes read (no tensor data)")
     print(f"model: {s.num_layers} layers ({s.num_full} full attention, {s.num_linear} linear attention), "
-          f"{s.num_experts} routed experts, hidden {s.hidden_size}")
+          f"{s.num_experts} routed experts, hidden {s.hidden_size} (config: {ckpt.text_section})")
     print(f"card: {card.name}, {card.memory_gib:g} GiB, {'MXFP8' if card.mxfp8 else 'no MXFP8'}{note}; "
           f"TP {opts.tp}, EP {'on' if opts.ep else 'off'}; gpu_memory_utilization {opts.gpu_memory_utilization:g}; "
           f"max_num_seqs {opts.max_num_seqs}, max_model_len {opts.max_model_len}")
