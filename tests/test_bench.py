@@ -222,3 +222,23 @@ def test_word_errors_and_wav_header_parsing():
     c.feed(head[20:] + b"\0" * 8, 2.0)
     c.feed(b"\0" * 4, 3.0)
     assert (c.first_audio, c.sample_bytes, c.seconds) == (2.0, 12, 12 / (44100 * 2 * 2))
+
+
+def test_wer_scoring_sees_each_completed_stream_audio(tmp_path):
+    """The transcriber gets exactly the sample bytes of each completed stream (failed ones are not scored)."""
+    meta = write_meta(tmp_path, ["audio=0.5 chunks=2 the cat sat", "audio=0.25 mode=error a dog", "audio=1.0 hello"])
+    lines = sb.read_meta(str(meta))
+    seen = []
+
+    def transcribe(pcm, rate, channels):
+        seen.append((len(pcm), rate, channels))
+        return {16000: "the cat sat", 32000: "hello there"}[len(pcm)]
+
+    with SpeechServer() as server:
+        s = sb.Settings(url=server.url, keep_audio=True)
+        level = sb.run_level(lines, 2, s)
+    sb.score_level(level, {"utt0": "the cat sat", "utt1": "a dog", "utt2": "hello"}, transcribe)
+    assert sorted(seen) == [(16000, NATIVE_RATE, 1), (32000, NATIVE_RATE, 1)]
+    # refs: "the cat sat" (3 words, 0 errors) and "hello" (1 word, 1 insertion)
+    assert level.wer == pytest.approx(1 / 4)
+    assert level.summary()["wer"] == pytest.approx(0.25)
