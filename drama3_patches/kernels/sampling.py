@@ -139,22 +139,28 @@ def _top_p_only(logits: torch.Tensor, p: torch.Tensor, inv_temp: torch.Tensor | 
     if not bool(wide.any()):
         return ids, values, keep
     sel = wide.nonzero().squeeze(1)
+    every = sel.numel() == rows
     # The reference's own method: ascending sort, float32 softmax and cumsum
     # in that order (a descending softmax differs by ulps that the cumsum
     # turns into ~1e-5 at the boundary).
-    a_vals, a_ids = logits[sel].sort(dim=-1)
+    a_vals, a_ids = (logits if every else logits[sel]).sort(dim=-1)
     a_vals = _scaled(a_vals, None if inv_temp is None else inv_temp[sel])
-    a_sum = a_vals.softmax(dim=-1).cumsum(dim=-1)
-    a_keep = a_sum > (1 - p[sel]).unsqueeze(1)
+    a_keep = a_vals.softmax(dim=-1).cumsum(dim=-1) > (1 - p[sel]).unsqueeze(1)
     a_keep[:, -1] = True
-    s_vals, s_ids, s_keep = a_vals.flip(-1), a_ids.flip(-1), a_keep.flip(-1)
-    n = int(s_keep.sum(dim=-1).max())
+    # The kept set is a suffix of the ascending order: slice, then flip only that.
+    n = int(a_keep.sum(dim=-1).max())
+    s_vals, s_ids, s_keep = (t[:, vocab - n:].flip(-1) for t in (a_vals, a_ids, a_keep))
+    if every:
+        return s_ids, s_vals, s_keep
     out_w = max(width, n)
     out_ids = torch.zeros(rows, out_w, dtype=ids.dtype, device=ids.device)
     out_vals = torch.full((rows, out_w), float("-inf"), device=ids.device)
     out_keep = torch.zeros(rows, out_w, dtype=torch.bool, device=ids.device)
     out_ids[:, :width], out_vals[:, :width], out_keep[:, :width] = ids, values, keep
-    out_ids[sel], out_vals[sel], out_keep[sel] = s_ids[:, :out_w], s_vals[:, :out_w], s_keep[:, :out_w]
+    merged_ids, merged_vals, merged_keep = out_ids[sel], out_vals[sel], out_keep[sel]
+    merged_ids[:, :width], merged_keep[:, :width] = 0, False
+    merged_ids[:, :n], merged_vals[:, :n], merged_keep[:, :n] = s_ids, s_vals, s_keep
+    out_ids[sel], out_vals[sel], out_keep[sel] = merged_ids, merged_vals, merged_keep
     return out_ids, out_vals, out_keep
 
 
