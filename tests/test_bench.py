@@ -242,3 +242,22 @@ def test_wer_scoring_sees_each_completed_stream_audio(tmp_path):
     # refs: "the cat sat" (3 words, 0 errors) and "hello" (1 word, 1 insertion)
     assert level.wer == pytest.approx(1 / 4)
     assert level.summary()["wer"] == pytest.approx(0.25)
+
+
+def test_unreachable_server_counts_every_request_as_failed(tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    meta = write_meta(tmp_path, ["audio=0.2", "audio=0.3"])
+    out = tmp_path / "out.json"
+    r = subprocess.run([sys.executable, "-m", "drama3_patches.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+                        "--meta", str(meta), "--concurrency", "2", "--limit", "2", "--warmup", "1", "--json",
+                        str(out)], capture_output=True, text=True, env=_env(), timeout=60)
+    assert r.returncode == 1
+    (level,) = json.loads(out.read_text())["levels"]
+    assert (level["completed"], level["failed"]) == (0, 2)
+    assert all(f["error"].startswith("ConnectionRefusedError") for f in level["failures"])
+    assert level["audio_s_per_s"] == 0 and level["ttfa_p50"] is None
+    assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | 0 | 2 |"
