@@ -14,19 +14,20 @@ import shutil
 import pytest
 
 from tests.support.replicas import ASCEND_032, ASCEND_MAIN, OMNI_030, npu_env, profile, profile_paths
-from tests.support.subproc import run_python
+from tests.support.subproc import ROOT, run_python
 
 pytestmark = pytest.mark.vllm
 
 TARGETS = [
     "vllm_omni.config.stage_config:_apply_platform_overrides",
+    "vllm_omni.config.stage_config:_build_engine_args",
     "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.__init__",
     "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device",
     "vllm_omni.platforms.npu.worker.npu_generation_worker:NPUGenerationWorker.__init__",
 ]
 
 CHILD = r"""
-import json, logging, os
+import json, logging, os, sys
 from types import SimpleNamespace
 
 import drama3_patches
@@ -83,7 +84,23 @@ def deploy_checks():
         sc.DeployConfig(platforms={"npu": {"model_runner": "v3"}}), "npu"))
     r["xpu_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2"), "xpu"))
     r["alias_v2"] = err(lambda: oc.resolve_deploy(sc.DeployConfig(model_runner="v2"), "npu").model_runner)
-    r["engine_args"] = sc._build_engine_args(None, sc.DeployConfig(model_runner="v2"))
+    r["engine_args"] = sc._build_engine_args(None, None, None, sc.DeployConfig(model_runner="v2"), None)
+    # The shipped NPU deploy config, through both of vLLM-Omni's config paths.
+    def shipped():
+        d = sc._apply_platform_overrides(sc.load_deploy_config(sys.argv[1]), "npu")
+        stages = {}
+        for ds in d.stages:
+            legacy = sc._build_engine_args(None, ds, None, d, None)
+            typed = oc._build_model_config(None, d, None, ds, oc._stage_engine_overrides(ds))
+            stages[ds.stage_id] = [legacy["use_v2_model_runner"], typed["use_v2_model_runner"],
+                                   "model_runner" in legacy, ds.engine_extras.get("block_size")]
+        again = sc._apply_platform_overrides(d, "npu")  # vLLM-Omni may merge twice
+        return {"deploy": d.model_runner, "stages": stages, "again": again.model_runner,
+                "again_stage1": again.stages[1].engine_extras.get("use_v2_model_runner")}
+    r["shipped"] = err(shipped)
+    bad = sc.DeployConfig(stages=[sc.StageDeployConfig(stage_id=1, engine_extras={"model_runner": "v3"})],
+                          platforms={"npu": {"model_runner": "v2"}})
+    r["stage_bad"] = err(lambda: sc._apply_platform_overrides(bad, "npu"))
     return r
 
 
@@ -141,8 +158,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
+SHIPPED_DEPLOY = ROOT / "drama3_patches" / "deploy" / "drama3_910b_tp2_ep.yaml"
+
+
 def _run(paths) -> dict:
-    proc = run_python(CHILD, env=npu_env(), pythonpath=paths)
+    proc = run_python(CHILD, env=npu_env(), pythonpath=paths, args=[str(SHIPPED_DEPLOY)])
     return json.loads(proc.stdout.split("RESULT ")[-1])
 
 
@@ -151,7 +171,7 @@ def result(request):
     return request.param, _run(profile_paths(request.param, OMNI_030))
 
 
-def test_applied_with_all_four_targets(result):
+def test_applied_with_all_five_targets(result):
     _, out = result
     assert out["state"] == "applied", out["reason"]
     assert out["targets"] == TARGETS
@@ -168,6 +188,22 @@ def test_deploy_loader_accepts_v2_on_npu_only(result):
     assert deploy["xpu_v2"].startswith("NotImplementedError: Model Runner V2 is not supported on XPU")
     assert deploy["alias_v2"] == "v2"  # omni_config's `from ... import` name reaches the patch
     assert deploy["engine_args"] == {"use_v2_model_runner": True}
+    assert deploy["stage_bad"] == "ValueError: stage 1: model_runner must be one of ('v1', 'v2'), got 'v3'"
+
+
+def test_shipped_deploy_config_puts_stage_0_on_v2_and_stage_1_on_v1(result):
+    _, out = result
+    shipped = out["patched"]["deploy"]["shipped"]
+    assert shipped["deploy"] == "v2"  # platforms.npu.model_runner
+    # [legacy engine args, structured model config, stray model_runner key, platform block_size]
+    assert shipped["stages"] == {"0": [True, True, False, 128], "1": [False, False, False, None]}
+    assert shipped["again"] == "v2" and shipped["again_stage1"] is False
+
+
+def test_shipped_deploy_config_is_refused_without_the_patch(result):
+    _, out = result
+    assert out["unpatched"]["deploy"]["shipped"].startswith(
+        "NotImplementedError: Model Runner V2 is not supported on NPU")
 
 
 def test_deploy_loader_refused_v2_on_npu_before(result):

@@ -1,9 +1,11 @@
 """runner-selection: each vLLM-Omni stage on NPU runs the model runner its deploy config names.
 
-Four targets, all in vLLM-Omni:
+Five targets, all in vLLM-Omni:
 
 * the deploy loader ``_apply_platform_overrides`` stops refusing ``model_runner: v2`` for the
   ``npu`` platform (``xpu`` keeps its error); a ``platforms.npu.model_runner`` entry still works;
+  on npu a stage's own ``model_runner`` key becomes that stage's ``use_v2_model_runner``, which
+  ``_build_engine_args`` then honours instead of refusing it;
 * ``NPUARWorker.__init__`` and ``NPUGenerationWorker.__init__`` take ``use_v2_model_runner`` from
   their own stage's ``model_config`` (default False), right after the parent constructor set the
   process-wide value (vLLM's property, replaced by vLLM-Ascend's), so ``init_device`` sees it;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import pkgutil
 import sys
 from types import SimpleNamespace
@@ -27,6 +30,7 @@ from drama3_patches.patchlib import PatchContext, wrap
 logger = init_logger(__name__)
 
 DEPLOY_LOADER = "vllm_omni.config.stage_config:_apply_platform_overrides"
+ENGINE_ARGS = "vllm_omni.config.stage_config:_build_engine_args"
 AR_INIT = "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.__init__"
 AR_INIT_DEVICE = "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device"
 GENERATION_INIT = "vllm_omni.platforms.npu.worker.npu_generation_worker:NPUGenerationWorker.__init__"
@@ -96,9 +100,48 @@ def _deploy_loader(ctx: PatchContext, original):
         finally:
             deploy.platforms = platforms
         result.model_runner = "v2"
-        return result
+        return _stage_runner_choices(result)
 
     return _apply_platform_overrides
+
+
+def _stage_runner_choices(deploy):
+    """A stage's own `model_runner: v1|v2` becomes its use_v2_model_runner engine override.
+
+    vLLM-Omni 0.30 leaves an unknown stage key in engine_extras, where the structured config
+    rejects it; use_v2_model_runner is a field it owns (the stage's value wins over the
+    deploy-level choice there, and _build_engine_args is patched to honour it too).
+    """
+    for stage in getattr(deploy, "stages", None) or []:
+        extras = getattr(stage, "engine_extras", None)
+        if not isinstance(extras, dict) or "model_runner" not in extras:
+            continue
+        runner = extras.pop("model_runner")
+        if runner not in ("v1", "v2"):
+            raise ValueError(f"stage {stage.stage_id}: model_runner must be one of ('v1', 'v2'), got {runner!r}")
+        extras["use_v2_model_runner"] = runner == "v2"
+    return deploy
+
+
+def _engine_args_builder(ctx: PatchContext, original):
+    signature = inspect.signature(original)
+
+    @wrap(original)
+    def _build_engine_args(*args, **kwargs):
+        ds = signature.bind(*args, **kwargs).arguments.get("ds")
+        extras = getattr(ds, "engine_extras", None)
+        if not isinstance(extras, dict) or "use_v2_model_runner" not in extras:
+            return original(*args, **kwargs)
+        # The original refuses the key in engine_extras; the stage's choice is ours to set.
+        stage_v2 = extras.pop("use_v2_model_runner")
+        try:
+            engine_args = original(*args, **kwargs)
+        finally:
+            extras["use_v2_model_runner"] = stage_v2
+        engine_args["use_v2_model_runner"] = bool(stage_v2)
+        return engine_args
+
+    return _build_engine_args
 
 
 # -- the workers' stage flag ------------------------------------------------------------------
@@ -224,6 +267,7 @@ def _ar_init_device(ctx: PatchContext, original):
 
 
 _BUILDERS = {
+    ENGINE_ARGS: _engine_args_builder,
     AR_INIT: _ar_init,
     AR_INIT_DEVICE: _ar_init_device,
     GENERATION_INIT: _generation_init,
