@@ -187,7 +187,9 @@ def test_text_report(ckpt):
     e = expected(CFG, 2, True)
     lines = r.stdout.splitlines()
     row = next(line for line in lines if "routed experts after bfloat16 expansion" in line)
-    assert row.split()[-2] == f"{e['experts_bf16'] / GIB:.2f}"
+    assert e["experts_bf16"] < GIB and row.split()[-2:] == [f"{e['experts_bf16'] / 2 ** 20:.2f}", "MiB"]
+    row = next(line for line in lines if "stage budget" in line)
+    assert row.split()[-2:] == [f"{0.9 * 64:.2f}", "GiB"]
     assert any(line.startswith("model: 4 layers (2 full attention, 2 linear attention), 8 routed experts")
                for line in lines)
     assert "card: 910B1, 64 GiB, no MXFP8; TP 2, EP on" in r.stdout

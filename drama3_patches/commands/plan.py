@@ -37,6 +37,9 @@ def argparse_bool():
 
 
 def _gib(x: float) -> str:
+    # MiB below 1 GiB, so small checkpoints and per-sequence figures do not print as 0.00.
+    if abs(x) < 1024 ** 3:
+        return f"{x / 1024 ** 2:8.2f} MiB"
     return f"{x / 1024 ** 3:8.2f} GiB"
 
 
