@@ -148,15 +148,28 @@ def test_stacked_layer_in_checkpoint_layout():
     assert all(torch.equal(_bits(out[i]), _bits(ref[i])) for i in range(3))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768), (768, 2048), (2048, 1536), (256, 7168), (7168, 256)])
-def test_scratch_stays_under_one_expert(n, k):
-    # Output (K, N) per expert: scratch + the transposed codes must fit in one bf16 expert.
+def test_scratch_stays_under_one_expert(n, k, threads):
+    # Output (K, N) per expert: the workers' buffers + the transposed codes fit in one bf16 expert.
     rows, width = k, n
-    chunk = k8.default_chunk_rows(rows, width, transposed=True)
-    scratch = k8._Scratch(chunk, width)
-    codes = scratch.codes_for(rows, width)
-    used = sum(t.numel() * t.element_size() for t in (scratch.half, scratch.f32, scratch.u8, codes))
+    chunk = k8.default_chunk_rows(rows, width, transposed=True, workers=threads)
+    workers = k8._Workers(threads, chunk, width)
+    codes = workers.codes_for(rows, width)
+    used = sum(s.f32.numel() * 4 for s in workers.scratches) + codes.numel()
     assert used <= n * k * 2, (chunk, used, n * k * 2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_give_the_same_bits_and_restore_torch_threads(threads):
+    before = torch.get_num_threads()
+    w = [_weight(384, 520, i) for i in range(3)]
+    s = [_scale(384, 520, i) for i in range(3)]
+    ref = [k8.reference_dequant(a, b) for a, b in zip(w, s)]
+    out = torch.empty(3, 520, 384, dtype=torch.bfloat16)
+    k8.dequant_experts(list(w), list(s), out, num_threads=threads, chunk_rows=40)
+    assert all(torch.equal(_bits(out[i]), _bits(ref[i].t())) for i in range(3))
+    assert torch.get_num_threads() == before
 
 
 @fake_npu.in_fresh_process

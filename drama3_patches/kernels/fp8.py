@@ -23,8 +23,9 @@ functions here produce the same bits, faster and in bounded memory:
   on the 1-byte fp8 codes, never on a dense copy.
 * Work is streamed one expert at a time, in row chunks; each op is large
   enough for torch's intra-op threads.  Scratch memory beyond the output is at
-  most ``N*K`` bytes (the transposed codes) plus ``7 * chunk_rows * width``
-  bytes; the default chunk size keeps the sum under one expert's bfloat16 size.
+  most ``N*K`` bytes (the transposed codes) plus ``4 * chunk_rows * width``
+  bytes per thread; the default chunk size keeps the sum under one expert's
+  bfloat16 size.
 * :func:`dequant_experts` takes the per-expert sources out of the caller's
   container (list or dict) and drops each before taking the next, so the fp8
   copy of an expert is gone before the next expert's dense data is produced.
@@ -49,7 +50,7 @@ BLOCK = (128, 128)
 _HALF_BIAS_SHIFT = 256.0  # 2**(15 - 7): float16 exponent bias minus e4m3's
 _SIGN_AND_MAGNITUDE = -16512  # 0xBF80 as int16: sign bit 15 and bits 13..7
 _CHUNK_CHOICES = (256, 128, 64, 32, 16, 8)
-_SCRATCH_BYTES_PER_ELEMENT = 7  # int16 + float32 + uint8
+_SCRATCH_BYTES_PER_ELEMENT = 4  # one float32 buffer per worker
 
 ExpertSource = Union[MutableSequence, MutableMapping]
 
@@ -92,30 +93,91 @@ def _fast_path_exact() -> bool:
     return bool((probe == 2.0**-20).all())
 
 
-def default_chunk_rows(rows: int, width: int, transposed: bool) -> int:
+def default_chunk_rows(rows: int, width: int, transposed: bool, workers: int = 1) -> int:
     """Rows per step so that scratch + transposed codes stay under 90% of one bf16 expert."""
     budget = rows * width * 2 * 9 // 10 - (rows * width if transposed else 0)
     for choice in _CHUNK_CHOICES:
-        if choice * width * _SCRATCH_BYTES_PER_ELEMENT <= budget:
+        if workers * choice * width * _SCRATCH_BYTES_PER_ELEMENT <= budget:
             return min(choice, rows)
     return min(_CHUNK_CHOICES[-1], rows)
 
 
 class _Scratch:
-    """Reusable buffers for one output width (kept across experts)."""
+    """One worker's float32 chunk buffer."""
 
     def __init__(self, chunk_rows: int, width: int) -> None:
         self.chunk_rows = chunk_rows
-        self.half = torch.empty(chunk_rows, width, dtype=torch.int16)
         self.f32 = torch.empty(chunk_rows, width, dtype=torch.float32)
-        self.u8 = torch.empty(chunk_rows, width, dtype=torch.uint8)
+
+
+class _Workers:
+    """Runs row chunks on ``n`` Python threads, each torch op single-threaded.
+
+    Small ops on torch's own intra-op pool join all threads after every op; on
+    a busy host one descheduled thread then stalls every op.  Independent
+    chunks on separate threads (torch ops release the GIL) only meet once per
+    expert, and a slow thread just takes fewer chunks.
+    """
+
+    def __init__(self, n: int, chunk_rows: int, width: int) -> None:
+        self.n = max(1, n)
+        self.scratches = [_Scratch(chunk_rows, width) for _ in range(self.n)]
         self.codes: torch.Tensor | None = None  # transposed fp8 codes of one expert
+        self._pool = None
+        self._saved_threads = None
+
+    @property
+    def chunk_rows(self) -> int:
+        return self.scratches[0].chunk_rows
 
     def codes_for(self, rows: int, cols: int) -> torch.Tensor:
         if self.codes is None or self.codes.numel() < rows * cols:
             self.codes = None
             self.codes = torch.empty(rows * cols, dtype=torch.int8)
         return self.codes[: rows * cols].view(rows, cols)
+
+    def __enter__(self) -> "_Workers":
+        if self.n > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # Process-wide for the duration of the call: new pool threads read it on first use.
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            self._pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="fp8-expand")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = None
+
+    def run(self, chunks: list[tuple[int, int]], fn: Callable[[int, int, _Scratch], None]) -> None:
+        if self._pool is None or len(chunks) == 1:
+            for start, stop in chunks:
+                fn(start, stop, self.scratches[0])
+            return
+        import threading
+
+        pending = iter(chunks)
+        lock = threading.Lock()
+
+        def work(scratch: _Scratch) -> None:
+            while True:
+                with lock:
+                    item = next(pending, None)
+                if item is None:
+                    return
+                fn(item[0], item[1], scratch)
+
+        futures = [self._pool.submit(work, s) for s in self.scratches[1:]]
+        try:
+            work(self.scratches[0])
+        finally:
+            for fut in futures:
+                fut.result()
 
 
 def _scale_segment(f: torch.Tensor, scales: torch.Tensor, nblocks: int, row_block: int, col_block: int) -> None:
@@ -130,33 +192,47 @@ def _scale_segment(f: torch.Tensor, scales: torch.Tensor, nblocks: int, row_bloc
         f[:, full_cols:].view(nblocks, per, cols - full_cols).mul_(scales[:, n_full].reshape(nblocks, 1, 1))
 
 
-def _expand_rows(codes: torch.Tensor, scale_rows: torch.Tensor, row_block: int, col_block: int,
-                 out: torch.Tensor, scratch: _Scratch, fast: bool) -> None:
-    """``out[r, c] = bf16(fp8(codes[r, c]) * scale_rows[r // row_block, c // col_block])``.
-
-    ``codes`` is a contiguous int8 view of the fp8 data, ``out`` a bfloat16
-    tensor of the same shape whose rows are contiguous.
-    """
-    rows, _ = codes.shape
-    chunk_rows = scratch.chunk_rows
-    fold = fast and bool(scale_rows.abs().max() < 2.0**100) if scale_rows.numel() else False
-    scales = scale_rows * _HALF_BIAS_SHIFT if fold else scale_rows  # exact: a power of two
+def _chunks(rows: int, row_block: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """Row ranges of at most ``chunk_rows``: whole scale blocks, or parts of one block."""
     step = chunk_rows - chunk_rows % row_block if chunk_rows >= row_block else chunk_rows
-    start = 0
+    out, start = [], 0
     while start < rows:
         if step % row_block == 0:
             stop = min(start + step, rows)
         else:  # chunks smaller than a block never straddle two blocks
             stop = min(start + step, (start // row_block + 1) * row_block, rows)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _expand_rows(codes: torch.Tensor, scale_rows: torch.Tensor, row_block: int, col_block: int,
+                 out: torch.Tensor, workers: _Workers, fast: bool) -> None:
+    """``out[r, c] = bf16(fp8(codes[r, c]) * scale_rows[r // row_block, c // col_block])``.
+
+    ``codes`` is a contiguous int8 view of the fp8 data, ``out`` a CPU
+    bfloat16 tensor of the same shape whose rows are contiguous.
+    """
+    rows, _ = codes.shape
+    fold = fast and bool(scale_rows.abs().max() < 2.0**100) if scale_rows.numel() else False
+    scales = scale_rows * _HALF_BIAS_SHIFT if fold else scale_rows  # exact: a power of two
+
+    def expand(start: int, stop: int, scratch: _Scratch) -> None:
         r = stop - start
         src = codes[start:stop]
+        dst = out[start:stop]
         f = scratch.f32[:r]
         if fast:
-            half = scratch.half[:r]
+            # The output rows double as the int16 scratch: they are overwritten last.
+            half = dst.view(torch.int16)
             half.copy_(src)  # sign-extends into bits 7..15
             half.bitwise_left_shift_(7)
             half.bitwise_and_(_SIGN_AND_MAGNITUDE)
             f.copy_(half.view(torch.float16))  # exact, = v * 2**-8
+            # e4m3fn NaN codes (0x7F/0xFF) came out as +-1.875; finite codes stay within +-1.75.
+            low, high = torch.aminmax(f)
+            if float(high) > 1.75 or float(low) < -1.75:
+                f.masked_fill_(f.abs() > 1.75, float("nan"))
             if not fold:
                 f.mul_(_HALF_BIAS_SHIFT)
         else:
@@ -168,14 +244,9 @@ def _expand_rows(codes: torch.Tensor, scale_rows: torch.Tensor, row_block: int, 
             _scale_segment(f[: whole * row_block], scales[b0 : b0 + whole], whole, row_block, col_block)
         if whole * row_block < r:
             _scale_segment(f[whole * row_block :], scales[b0 + whole : b0 + whole + 1], 1, row_block, col_block)
-        if fast:
-            # 0x7F/0xFF are NaN in e4m3fn; the trick made them finite.  Rare: test cheaply first.
-            flag = scratch.u8[:r]
-            torch.bitwise_or(src.view(torch.uint8), 0x80, out=flag)
-            if int(flag.max()) == 0xFF:
-                f.masked_fill_(flag == 0xFF, float("nan"))
-        out[start:stop].copy_(f)  # contiguous float32 -> bfloat16, as in the reference
-        start = stop
+        dst.copy_(f)  # contiguous float32 -> bfloat16, as in the reference
+
+    workers.run(_chunks(rows, row_block, workers.chunk_rows), expand)
 
 
 def dequant_block_fp8(
@@ -186,15 +257,23 @@ def dequant_block_fp8(
     out: torch.Tensor | None = None,
     block_size=BLOCK,
     chunk_rows: int | None = None,
+    num_threads: int | None = None,
     where: str = "weight",
-    _scratch: _Scratch | None = None,
+    _workers: _Workers | None = None,
 ) -> torch.Tensor:
     """Expand one ``(N, K)`` block-FP8 weight to bfloat16.
 
     Returns ``(N, K)``, or ``(K, N)`` (the transpose, contiguous) when
     ``transposed``; ``out`` (CPU, bfloat16, that shape, rows contiguous)
-    receives the result when given.
+    receives the result when given.  ``num_threads`` (default: torch's)
+    threads expand row chunks in parallel.
     """
+    if _workers is None:
+        rows, width = reversed(weight.shape) if transposed else weight.shape
+        threads = num_threads or torch.get_num_threads()
+        with _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width) as workers:
+            return dequant_block_fp8(weight, scale, transposed=transposed, out=out, block_size=block_size,
+                                     where=where, _workers=workers)
     _check(weight, scale, block_size, where)
     n, k = weight.shape
     bn, bk = block_size
@@ -204,16 +283,15 @@ def dequant_block_fp8(
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.device.type != "cpu" or out.stride(-1) != 1:
         raise ValueError(f"{where}: out must be a CPU bfloat16 tensor of shape {shape} with contiguous rows")
     scale32 = scale.to(torch.float32)
-    scratch = _scratch or _Scratch(chunk_rows or default_chunk_rows(*shape, transposed), shape[1])
     codes = weight.view(torch.int8)
     if transposed:
         # A whole-matrix transpose of the 1-byte codes takes torch's blocked fast path.
-        t = scratch.codes_for(k, n)
+        t = _workers.codes_for(k, n)
         t.copy_(codes.t())
         codes, scale32, bn, bk = t, scale32.t(), bk, bn
     elif not codes.is_contiguous():
         codes = codes.contiguous()
-    _expand_rows(codes, scale32, bn, bk, out, scratch, _fast_path_exact())
+    _expand_rows(codes, scale32, bn, bk, out, _workers, _fast_path_exact())
     return out
 
 
@@ -233,6 +311,7 @@ def dequant_experts(
     transposed: bool = True,
     block_size=BLOCK,
     chunk_rows: int | None = None,
+    num_threads: int | None = None,
     name: str = "experts",
     on_expert_done: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
@@ -246,34 +325,40 @@ def dequant_experts(
 
     ``out`` may live on another device: each expert is then expanded into one
     reusable CPU staging buffer and copied with a blocking copy.
+    ``num_threads`` (default: torch's) threads expand row chunks in parallel;
+    torch's own thread count is 1 for the duration of the call.
     """
     num_experts = out.shape[0]
     if out.dtype != torch.bfloat16 or out.dim() != 3:
         raise ValueError(f"{name}: out must be a 3-D bfloat16 tensor, got {out.dtype} {tuple(out.shape)}")
     on_cpu = out.device.type == "cpu"
     rows, width = out.shape[1], out.shape[2]
-    scratch = _Scratch(chunk_rows or default_chunk_rows(rows, width, transposed), width)
+    threads = num_threads or torch.get_num_threads()
+    workers = _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width)
     staging = None if on_cpu else torch.empty(rows, width, dtype=torch.bfloat16)
-    for e in range(num_experts):
-        weight = _take(weights, e)
-        scale = _take(scales, e)
-        where = f"{name} expert {e}"
-        if weight is None or scale is None:
-            raise ValueError(f"{where}: weight or weight_scale_inv missing (already taken?)")
-        want = (weight.shape[1], weight.shape[0]) if transposed else tuple(weight.shape)
-        if (rows, width) != tuple(want):
-            raise ValueError(
-                f"{where}: weight shape {tuple(weight.shape)} does not fit out shape {tuple(out.shape)} "
-                f"(transposed={transposed})"
-            )
-        target = out[e] if on_cpu else staging
-        dequant_block_fp8(
-            weight, scale, transposed=transposed, out=target, block_size=block_size,
-            where=where, _scratch=scratch,
-        )
-        del weight, scale  # the fp8 source goes before the next expert is touched
-        if not on_cpu:
-            out[e].copy_(staging, non_blocking=False)  # staging is reused right away
-        if on_expert_done is not None:
-            on_expert_done(e)
+    with workers:
+        for e in range(num_experts):
+            _expand_one(weights, scales, e, out, staging, transposed, block_size, name, workers)
+            if on_expert_done is not None:
+                on_expert_done(e)
     return out
+
+
+def _expand_one(weights, scales, e, out, staging, transposed, block_size, name, workers) -> None:
+    weight = _take(weights, e)
+    scale = _take(scales, e)
+    where = f"{name} expert {e}"
+    if weight is None or scale is None:
+        raise ValueError(f"{where}: weight or weight_scale_inv missing (already taken?)")
+    want = (weight.shape[1], weight.shape[0]) if transposed else tuple(weight.shape)
+    if tuple(out.shape[1:]) != tuple(want):
+        raise ValueError(
+            f"{where}: weight shape {tuple(weight.shape)} does not fit out shape {tuple(out.shape)} "
+            f"(transposed={transposed})"
+        )
+    target = out[e] if staging is None else staging
+    dequant_block_fp8(weight, scale, transposed=transposed, out=target, block_size=block_size,
+                      where=where, _workers=workers)
+    del weight, scale  # this frame held the last reference: the fp8 source is freed here
+    if staging is not None:
+        out[e].copy_(staging, non_blocking=False)  # staging is reused right away
