@@ -19,6 +19,8 @@ top-p kept ids         identical, except a  the reference decides with a float32
                        1e-6 of p            the reference run on their float32 upcast, as
                                             vLLM's sampler upcasts before filtering (the
                                             reference on raw bfloat16 would cumsum in bf16)
+top-p, float32        same as top-p        devices without float64 (Ascend) sum the
+window accumulation                         window in float32; checked on CPU by forcing it
 kept probabilities     atol 1e-6, rtol 1e-5 softmax over the kept set vs over the masked
                                             vocabulary: the normaliser is summed in a
                                             different order
@@ -234,3 +236,15 @@ def test_shared_k_equals_per_row_k():
     ga = sample_top_k_top_p(logits, 30, 0.9, generator=torch.Generator().manual_seed(3))
     gb = sample_top_k_top_p(logits, torch.full((16,), 30), 0.9, generator=torch.Generator().manual_seed(3))
     assert torch.equal(ga, gb)
+
+
+def test_float32_accumulation_as_on_npu_keeps_the_reference_set(monkeypatch):
+    # Devices without float64 (Ascend) accumulate the top-p window in float32.
+    from drama3_patches.kernels import sampling
+
+    monkeypatch.setattr(sampling, "_acc_dtype", lambda device: torch.float32)
+    logits = _logits(16, 151936, seed=21)
+    logits[:8, :300] += 9  # peaked rows: their nucleus fits the window
+    p = torch.linspace(0.3, 0.95, 16)
+    got = top_k_top_p_filter(logits, None, p)
+    _assert_same_kept(got, _reference(logits, None, p), _ambiguous_tokens(logits, None, p))

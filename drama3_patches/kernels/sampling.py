@@ -23,6 +23,11 @@ the window already holds mass ``p``); only rows where it does not are sorted.
 
 Host syncs: ``max(k)`` (topk needs a Python int), whether a tie run reaches
 the end of the window, and, for top-p-only rows, whether the window suffices.
+
+Precision: logits of any float dtype; probabilities in float32; the top-p
+window's normaliser and cumulative sum in float64 on CPU/CUDA and float32 on
+devices without native float64 (Ascend).  A ``generator`` must live on the
+logits' device, as for any torch random op.
 """
 
 from __future__ import annotations
@@ -101,18 +106,28 @@ def _scaled(values: torch.Tensor, inv_temp: torch.Tensor | None) -> torch.Tensor
     return values if inv_temp is None else values * inv_temp.unsqueeze(1)
 
 
-def _logsumexp64(logits: torch.Tensor, inv_temp: torch.Tensor | None) -> torch.Tensor:
-    """Row ``logsumexp`` of the scaled logits, ``[rows, 1]`` float64.
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    """Accumulation dtype of the top-p window: float64 where it is native.
 
-    Exponentials in float32, their sum in float64: a float32 sum over a 150k
+    Ascend AI cores have no float64 arithmetic, so other devices accumulate in
+    float32; there a token whose mass-before is within ~1e-6 of p may flip,
+    which moves the sampled distribution by about that much.
+    """
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+def _logsumexp_acc(logits: torch.Tensor, inv_temp: torch.Tensor | None, acc: torch.dtype):
+    """Row ``logsumexp`` of the scaled logits, ``[rows, 1]`` in ``acc``.
+
+    Exponentials in float32, their sum in ``acc``: a float32 sum over a 150k
     vocabulary is off by ~1e-6, enough to move a top-p boundary.
     """
     full = logits.to(torch.float32)
     if inv_temp is not None:
         full = full * inv_temp.unsqueeze(1)
     top = full.amax(dim=-1, keepdim=True)
-    total = (full - top).exp_().sum(dim=-1, keepdim=True, dtype=torch.float64)
-    return top.double() + total.log()
+    total = (full - top).exp_().sum(dim=-1, keepdim=True, dtype=acc)
+    return top.to(acc) + total.log()
 
 
 def _top_p_only(logits: torch.Tensor, p: torch.Tensor, inv_temp: torch.Tensor | None):
@@ -123,18 +138,19 @@ def _top_p_only(logits: torch.Tensor, p: torch.Tensor, inv_temp: torch.Tensor | 
     """
     rows, vocab = logits.shape
     width = min(_TOP_P_WINDOW, vocab)
+    acc = _acc_dtype(logits.device)
     values, ids = logits.topk(width, dim=-1)
     values = _scaled(values, inv_temp)
     if width < vocab:
-        lse = _logsumexp64(logits, inv_temp)
-        probs = (values.double() - lse).exp()
-        wide = probs.sum(dim=-1) < p.double() + _WINDOW_MARGIN
+        lse = _logsumexp_acc(logits, inv_temp, acc)
+        probs = (values.to(acc) - lse).exp()
+        wide = probs.sum(dim=-1) < p.to(acc) + _WINDOW_MARGIN
     else:
-        probs = values.double().softmax(dim=-1)
+        probs = values.to(acc).softmax(dim=-1)
         wide = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     # Inside the window: keep token j while the mass before it is below p.
     before = probs.cumsum(dim=-1) - probs
-    keep = before < p.double().unsqueeze(1)
+    keep = before < p.to(acc).unsqueeze(1)
     keep[:, 0] = True
     if not bool(wide.any()):
         return ids, values, keep
