@@ -69,6 +69,8 @@ def err(fn):
 def deploy_checks():
     r = {}
     r["npu_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2"), "npu").model_runner)
+    # platform=None: vLLM-Omni's current platform; the replica has none, so the patch's own (npu).
+    r["default_platform_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2")).model_runner)
     d = sc.DeployConfig(
         model_runner="v1",
         stages=[sc.StageDeployConfig(stage_id=0), sc.StageDeployConfig(stage_id=1)],
@@ -181,6 +183,7 @@ def test_deploy_loader_accepts_v2_on_npu_only(result):
     _, out = result
     deploy = out["patched"]["deploy"]
     assert deploy["npu_v2"] == "v2"
+    assert deploy["default_platform_v2"] == "v2"
     assert deploy["section_v2"] == ["v2", "0,1", 64]  # stage overrides still merged
     assert deploy["platforms_unchanged"] is True
     assert deploy["section_v1_wins"] == "v1"
