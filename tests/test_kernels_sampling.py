@@ -142,6 +142,10 @@ def test_p_one_and_k_vocab_keep_everything():
     logits = _logits(3, 300, seed=9)
     assert torch.equal(top_k_top_p_filter(logits, 300, 1.0), logits)
     assert torch.equal(top_k_top_p_filter(logits, torch.tensor([0, -1, 10**6]), None), logits)
+    for disabled in (0, -1, 300, 10**6):  # a shared k that disables top-k
+        assert torch.equal(top_k_top_p_filter(logits, disabled, None), logits)
+        torch.testing.assert_close(top_k_top_p_filter(logits, disabled, 0.5),
+                                   top_k_top_p_filter(logits, None, 0.5))
     ids, probs = top_k_top_p_kept(logits, None, 1.0)
     assert ids.shape == (3, 300)
     torch.testing.assert_close(torch.zeros(3, 300).scatter_add_(1, ids, probs), logits.softmax(-1))

@@ -203,7 +203,7 @@ def _kept_groups(logits, k, p, inv_temp, shared_k, include_unfiltered: bool):
     has_k = k < vocab if k is not None else torch.zeros(rows, dtype=torch.bool, device=device)
     has_p = p < 1.0 if p is not None else torch.zeros(rows, dtype=torch.bool, device=device)
     parts = []
-    all_k = shared_k is not None and shared_k < vocab
+    all_k = shared_k is not None and 0 < shared_k < vocab
     k_rows = torch.arange(rows, device=device) if all_k else has_k.nonzero().squeeze(1)
     if k_rows.numel():
         sub = logits if k_rows.numel() == rows else logits[k_rows]

@@ -18,6 +18,9 @@ The replacement ``__init__`` runs the original, then sets
 layer really is on the eager path (flag false after the assignment, ``q_norm``,
 ``k_norm`` and ``rotary_emb`` present); otherwise it raises naming the
 layer's prefix.  Weights, their loaders and the module tree are untouched.
+The check runs when ``Qwen3NextAttention.__init__`` returns: a subclass that
+sets the flag again later in its own ``__init__`` is not seen (none in vLLM
+0.31/0.32 calls it and then does).
 
 Feature detection: a class with no ``_project_qkv_gate`` has no fused
 dispatch (nothing to do); a class already carrying the in-tree port's marker
