@@ -106,4 +106,5 @@ def plan(ctx: PatchContext) -> dict:
             ctx.leave(target, f"{cls.__qualname__}.__init__ already forces the eager path")
             continue
         out[target] = _build(original)
+        logger.debug("qwen3next-eager-attention: %s forces %s = False", target, FLAG)
     return out

@@ -85,4 +85,5 @@ def plan(ctx: PatchContext) -> dict:
                 + "; ".join(f"{p}{inspect.signature(_load(p))}" for p in KERNELS)
             )
         out[target] = _build(original, kernel)
+        logger.debug("tower-sampler-eager: %s -> %s off CUDA", target, out[target].__drama3_eager_kernel__)
     return out
