@@ -1,0 +1,244 @@
+"""fp8-expert-method: Drama 3's block-FP8 routed experts get an Ascend MoE method on NPU.
+
+``ExpertFp8Config.get_quant_method`` (the Drama 3 model's quantization config) hands the routed
+experts vLLM's ``Fp8MoEMethod``, whose kernels are CUDA ones.  The replacement, for routed-expert
+layers only:
+
+* where the card has MXFP8 (Ascend 950, ``AscendDeviceType.A5``) asks vLLM-Ascend's
+  ``AscendFp8Config`` for its MoE method; vLLM-Ascend main (2026-08) raises
+  ``NotImplementedError`` there, which falls through to the next point;
+* otherwise (910B) returns :class:`ExpandedFp8MoEMethod` built on vLLM-Ascend's bf16
+  ``AscendUnquantizedFusedMoEMethod``: the checkpoint's fp8 weights and ``weight_scale_inv`` are
+  loaded into host memory (never onto the device: the fp8 device copy is what fails on 910B),
+  and ``process_weights_after_loading`` expands them on the CPU, expert by expert, straight into
+  the layout that method keeps after its own post-processing -- ``w13`` as ``(E, H, 2I)`` and
+  ``w2`` as ``(E, I, H)`` (vllm_ascend/ops/fused_moe/routed_experts.py,
+  ``AscendUnquantizedFusedMoEMethod.process_weights_after_loading``: ``transpose(1, 2)
+  .contiguous()``) -- so the device holds one bf16 copy and no transpose copy is made there.
+
+Other layers keep the original answer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from drama3_patches.kernels.fp8 import dequant_experts, expected_scale_shape
+from drama3_patches.logger import init_logger
+from drama3_patches.patchlib import NotNeeded, PatchContext, wrap
+
+logger = init_logger(__name__)
+
+_WEIGHTS = ("w13_weight", "w2_weight")
+_HOST_ATTR = "_drama3_fp8_host"  # name -> (host Parameter, its placeholder) until expanded
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def is_routed_experts(layer: Any) -> bool:
+    from vllm.model_executor.layers import fused_moe
+
+    kinds = tuple(getattr(fused_moe, n) for n in ("RoutedExperts", "MoERunner") if hasattr(fused_moe, n))
+    return isinstance(layer, kinds)
+
+
+def has_mxfp8() -> bool:
+    """Ascend 950 (A5) has MXFP8 matmuls; the 910B family (A2/A3) does not."""
+    try:
+        from vllm_ascend.device.device_config import get_ascend_device_type
+    except ImportError:
+        try:
+            from vllm_ascend.utils import get_ascend_device_type
+        except ImportError:
+            return False
+    return getattr(get_ascend_device_type(), "name", "") == "A5"
+
+
+def _ascend_fp8_moe_method(config, layer, prefix: str):
+    """vLLM-Ascend's own FP8 MoE method, or None where this vLLM-Ascend has none."""
+    try:
+        from vllm_ascend.quantization.fp8_config import AscendFp8Config
+    except ImportError:
+        return None
+    ascend = AscendFp8Config(
+        is_checkpoint_fp8_serialized=True,
+        activation_scheme=config.activation_scheme,
+        ignored_layers=config.ignored_layers,
+        weight_block_size=config.weight_block_size,
+    )
+    ascend.packed_modules_mapping = getattr(config, "packed_modules_mapping", {})
+    try:
+        return ascend.get_quant_method(layer, prefix)
+    except NotImplementedError:
+        logger.info("vLLM-Ascend's AscendFp8Config has no MoE method here; expanding %s on the CPU", prefix)
+        return None
+
+
+def expanded_method_class(base: type) -> type:
+    """``base`` (vLLM-Ascend's bf16 MoE method) fed from block-FP8 weights expanded on the CPU."""
+    if base in _CLASS_CACHE:
+        return _CLASS_CACHE[base]
+
+    class ExpandedFp8MoEMethod(base):
+        def __init__(self, moe, weight_block_size) -> None:
+            super().__init__(moe)
+            self.weight_block_size = tuple(weight_block_size or (128, 128))
+
+        def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                           params_dtype, **extra_weight_attrs):
+            from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+            from vllm.model_executor.utils import set_weight_attrs
+
+            shards = getattr(self.moe, "w13_num_shards", 2)
+            inter, hidden = intermediate_size_per_partition, hidden_size
+            bn, bk = self.weight_block_size
+            layer.num_experts, layer.orig_dtype = num_experts, params_dtype
+            layer.weight_block_size = list(self.weight_block_size)
+            # The device the model is built on (vLLM builds it under `with torch.device(...)`).
+            layer._drama3_target_device = torch.empty(0).device
+            loader = extra_weight_attrs.pop("weight_loader", None)
+            block = {"quant_method": FusedMoeWeightScaleSupported.BLOCK.value}
+            specs = {
+                "w13_weight": ((num_experts, shards * inter, hidden), torch.float8_e4m3fn, {}),
+                "w2_weight": ((num_experts, hidden, inter), torch.float8_e4m3fn, {}),
+                # Per shard, as vLLM's Fp8MoEMethod lays them out (gate blocks, then up blocks).
+                "w13_weight_scale_inv": ((num_experts, shards * -(-inter // bn), -(-hidden // bk)), torch.float32, block),
+                "w2_weight_scale_inv": ((num_experts, -(-hidden // bn), -(-inter // bk)), torch.float32, block),
+            }
+            host = {}
+            for name, (shape, dtype, extra) in specs.items():
+                data = torch.empty(shape, dtype=dtype, device="cpu")
+                shadow = torch.nn.Parameter(data, requires_grad=False)
+                set_weight_attrs(shadow, {**extra_weight_attrs, **extra})
+                # What the model registers: a data-less stand-in, so that neither the loader nor
+                # vLLM's device_loading_context ever puts fp8 data on the device.
+                placeholder = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+                set_weight_attrs(placeholder, {**extra_weight_attrs, **extra})
+                if loader is not None:
+                    placeholder.weight_loader = _into_host(loader, shadow)
+                layer.register_parameter(name, placeholder)
+                host[name] = shadow
+            setattr(layer, _HOST_ATTR, host)
+            if getattr(self.moe, "has_bias", False):
+                for name, shape in (("w13_bias", (num_experts, shards * inter)), ("w2_bias", (num_experts, hidden))):
+                    bias = torch.nn.Parameter(torch.zeros(shape, dtype=params_dtype), requires_grad=False)
+                    if loader is not None:
+                        bias.weight_loader = loader
+                    set_weight_attrs(bias, extra_weight_attrs)
+                    layer.register_parameter(name, bias)
+
+        def process_weights_after_loading(self, layer) -> None:
+            host = getattr(layer, _HOST_ATTR, None)
+            if host is None:
+                return super().process_weights_after_loading(layer)
+            expand_layer(layer, host, self.weight_block_size, getattr(self.moe, "w13_num_shards", 2))
+            delattr(layer, _HOST_ATTR)
+            _finish_like_base(layer)
+
+    ExpandedFp8MoEMethod.__qualname__ = ExpandedFp8MoEMethod.__name__
+    _CLASS_CACHE[base] = ExpandedFp8MoEMethod
+    return ExpandedFp8MoEMethod
+
+
+class _into_host:
+    """Weight loader of a placeholder: vLLM's FusedMoE loader (TP/EP narrowing, shard offsets)
+    writes into the host parameter instead.  Holds it only until the layer is expanded."""
+
+    def __init__(self, loader, shadow) -> None:
+        self.__wrapped__ = loader
+        self.shadow = shadow
+
+    def __call__(self, param, loaded_weight, *args, **kwargs):
+        if self.shadow is None:
+            raise RuntimeError("fp8-expert-method: these experts are already expanded to bfloat16; "
+                               "reloading fp8 weights into them is not supported")
+        return self.__wrapped__(self.shadow, loaded_weight, *args, **kwargs)
+
+
+def expand_layer(layer, host: dict, block_size, w13_shards: int = 2) -> None:
+    """Replace the fp8 host weights of ``layer`` by bf16 device weights in the Ascend layout.
+
+    One weight at a time: its device output is allocated, filled expert by expert from the host
+    (blocking copies from one CPU staging buffer), then its host fp8 data and scales are dropped
+    before the next weight's output is allocated.
+    """
+    from vllm.model_executor.utils import replace_parameter
+
+    device = getattr(layer, "_drama3_target_device", torch.device("cpu"))
+    for name in _WEIGHTS:
+        for param_name in (name, f"{name}_scale_inv"):
+            loader = getattr(getattr(layer, param_name), "weight_loader", None)
+            if isinstance(loader, _into_host):
+                loader.shadow = None  # the host copy now lives only in `host` and the locals below
+        weight = host.pop(name).data
+        scale = host.pop(f"{name}_scale_inv").data
+        num_experts, rows, cols = weight.shape
+        out = torch.empty((num_experts, cols, rows), dtype=torch.bfloat16, device=device)
+        shards = w13_shards if name == "w13_weight" else 1
+        per = rows // shards
+        scale_rows = scale.shape[1] // shards
+        for s in range(shards):
+            part_w = weight[:, s * per:(s + 1) * per]
+            part_s = scale[:, s * scale_rows:(s + 1) * scale_rows]
+            if tuple(part_s.shape[1:]) != expected_scale_shape(part_w.shape[1:], block_size):
+                raise ValueError(
+                    f"{getattr(layer, 'prefix', 'experts')}.{name}: weight_scale_inv {tuple(scale.shape)} does not "
+                    f"match weight {tuple(weight.shape)} with block {tuple(block_size)}"
+                )
+            dequant_experts(list(part_w.unbind(0)), list(part_s.unbind(0)), out[:, :, s * per:(s + 1) * per],
+                            transposed=True, block_size=block_size, name=f"{getattr(layer, 'prefix', '')}.{name}")
+        del weight, scale, part_w, part_s
+        replace_parameter(layer, name, out)
+        delattr(layer, f"{name}_scale_inv")
+        del out
+
+
+def _finish_like_base(layer) -> None:
+    """The part of the Ascend method's post-processing that follows its transposes."""
+    try:
+        from vllm_ascend.utils import maybe_trans_nz
+    except ImportError:
+        try:
+            from vllm_ascend.ops.fused_moe.routed_experts import maybe_trans_nz
+        except ImportError:
+            return
+    for name in _WEIGHTS:
+        getattr(layer, name).data = maybe_trans_nz(getattr(layer, name).data)
+
+
+def _ascend_bf16_method_class() -> type:
+    from vllm_ascend.ops.fused_moe.routed_experts import AscendUnquantizedFusedMoEMethod
+
+    return AscendUnquantizedFusedMoEMethod
+
+
+def build(original):
+    @wrap(original)
+    def get_quant_method(self, layer, prefix, *args, **kwargs):
+        if not is_routed_experts(layer):
+            return original(self, layer, prefix, *args, **kwargs)
+        if has_mxfp8():
+            method = _ascend_fp8_moe_method(self, layer, prefix)
+            if method is not None:
+                return method
+        cls = expanded_method_class(_ascend_bf16_method_class())
+        return cls(layer.moe_config, self.weight_block_size)
+
+    get_quant_method.__drama3_patch__ = "fp8-expert-method"
+    return get_quant_method
+
+
+def plan(ctx: PatchContext) -> dict:
+    replacements = {}
+    for target in ctx.targets:
+        original = ctx.original(target)
+        try:
+            source = inspect.getsource(original)
+        except (OSError, TypeError):
+            source = ""
+        if "vllm_ascend" in source or "AscendFp8Config" in source:
+            raise NotNeeded(f"{target} already selects a vLLM-Ascend method")
+        replacements[target] = build(original)
+    return replacements
