@@ -186,3 +186,19 @@ def test_expansion_into_device_output_uses_blocking_copies():
     assert [(t.direction, t.non_blocking) for t in log] == [("h2d", False)] * e
     host = out.cpu()
     assert all(torch.equal(_bits(host[i]), _bits(ref[i].t())) for i in range(e))
+
+
+@pytest.mark.npu
+def test_on_a_real_npu_device_output_is_bit_exact():
+    """Ascend host only: experts expanded on the CPU land in an NPU tensor bit for bit."""
+    import torch_npu  # noqa: F401
+
+    e, n, k = 4, 1536, 2048
+    w = [_weight(n, k, i) for i in range(e)]
+    s = [_scale(n, k, i) for i in range(e)]
+    ref = [k8.reference_dequant(a, b) for a, b in zip(w, s)]
+    out = torch.empty(e, k, n, dtype=torch.bfloat16, device="npu")
+    k8.dequant_experts(list(w), list(s), out)
+    torch.npu.synchronize()
+    host = out.cpu()
+    assert all(torch.equal(_bits(host[i]), _bits(ref[i].t())) for i in range(e))
