@@ -139,6 +139,8 @@ def worker(cls, stage_id, v2, process_default):
     r["event_at_init"] = getattr(getattr(runner, "event_cls_at_init", None), "__name__", None)
     r["wrapper_entries"] = cuda_wrapper_module.entries - entries
     r["instance_runner_cls_left"] = "model_runner_cls" in vars(w)
+    # lora-count-forwarding lands on our runner when runner-selection first imports it.
+    r["lora_forwarding"] = hasattr(getattr(type(runner), "prepare_inputs", None), "forwards_num_active_loras")
     r["log"] = [m for m in messages if m.startswith("Using MR")]
     return r
 
@@ -227,6 +229,7 @@ def test_ar_stage_on_v2_builds_the_npu_omni_v2_runner_under_the_cuda_wrapper(res
     assert w["event_at_init"] == "NPUEventStandIn"  # torch.cuda.Event was torch.npu's while building
     assert w["wrapper_entries"] >= 1
     assert w["instance_runner_cls_left"] is False
+    assert w["lora_forwarding"] is True
     assert len(w["log"]) == 1 and w["log"][0].startswith("Using MR v2 NPUOmniARModelRunner")
     assert "stage 0 (ar)" in w["log"][0]
 

@@ -138,3 +138,22 @@ def test_gpu_worker_takes_the_process_wide_choice():
     from vllm.v1.worker.gpu_worker import Worker
 
     assert "self.use_v2_model_runner = vllm_config.use_v2_model_runner" in inspect.getsource(Worker.__init__)
+
+
+def test_engine_core_loads_general_plugins_before_registering_kv_managers():
+    # vLLM-Ascend applies its global patches (AscendMambaManager included) from its general
+    # plugins; mamba-prefill-end is installed when that module is imported. Both must happen
+    # before the engine core registers the managers it will build.
+    from vllm.v1.engine.core import EngineCore
+
+    def first_lines(func) -> dict:
+        lines = {}
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(func)))):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                lines.setdefault(name, node.lineno)
+        return lines
+
+    init = first_lines(EngineCore.__init__)
+    assert init["load_general_plugins"] < init["_initialize_kv_caches"]
+    assert "register_all_kvcache_specs" in first_lines(EngineCore._initialize_kv_caches)
