@@ -51,3 +51,15 @@ def test_skipped_without_vllm_omni_even_when_told_npu():
         assert "vllm-omni" in got[pid]["reason"] and "not installed" in got[pid]["reason"], got[pid]["reason"]
     assert got["mamba-prefill-end"]["state"] == "skipped"
     assert "vllm-ascend" in got["mamba-prefill-end"]["reason"]
+
+
+def test_omni_032_profile_without_worker_stand_ins_is_skipped_with_the_reason():
+    # The omni_032 profile mirrors only the port's Drama 3 model files (no public 0.32 source
+    # for the deploy loader or the NPU workers): the version guards pass, the targets are
+    # absent, and status says which module is missing instead of claiming anything applied.
+    got = _status(npu_env(), profile_paths(ASCEND_032, "omni_032"))
+    assert got["_versions"]["vllm-omni"] == "0.32.0"
+    for pid in ("runner-selection", "lora-count-forwarding"):
+        assert got[pid]["state"] == "skipped", pid
+        assert "cannot be imported" in got[pid]["reason"] and "ModuleNotFoundError" in got[pid]["reason"], pid
+    assert got["mamba-prefill-end"]["state"] == "applied"
