@@ -217,3 +217,27 @@ def test_skipped_without_vllm_ascend():
     state, reason = json.loads(proc.stdout.split("RESULT ")[-1])
     assert state == "skipped"
     assert "vllm-ascend" in reason
+
+
+def test_another_override_without_prefill_end_is_named(tmp_path):
+    # A later vLLM-Ascend could override a second method vLLM calls with prefill_end; the patch
+    # cannot wrap what the manifest does not list, so it names the gap instead of staying silent.
+    root = tmp_path / "ascend_second_override"
+    shutil.copytree(profile(ASCEND_MAIN), root)
+    module = root / "vllm_ascend/patch/platform/patch_mamba_manager.py"
+    text = module.read_text()
+    anchor = "\n\nsingle_type_kv_cache_manager.MambaManager = AscendMambaManager"
+    module.write_text(text.replace(anchor, (
+        "\n\n    def _needs_internal_checkpoint(self, request_id, query_start, query_end, checkpoint_position):\n"
+        "        return False\n" + anchor
+    )))
+    proc = run_python(
+        """
+        import drama3_patches
+        drama3_patches.apply()
+        from vllm_ascend.utils import adapt_patch
+        adapt_patch(is_global_patch=True)
+        """,
+        env=npu_env(VLLM_LOGGING_LEVEL="WARNING"), pythonpath=[root],
+    )
+    assert "AscendMambaManager._needs_internal_checkpoint also lacks prefill_end" in proc.stderr + proc.stdout
