@@ -76,6 +76,19 @@ def test_mixing_with_cpu_tensors_raises_like_a_device():
 
 
 @fake_npu.in_fresh_process
+def test_parameter_data_assignment_follows_the_new_tensor():
+    fake_npu.enable()
+    param = torch.nn.Parameter(torch.zeros(3).to("npu"), requires_grad=False)
+    assert isinstance(param, torch.nn.Parameter) and param.device.type == "npu"
+    param.data = torch.arange(6.0).reshape(2, 3).to("npu")  # what weight post-processing does
+    assert param.shape == (2, 3) and param.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    param.data.mul_(2)  # .data is an alias on the device
+    assert param.cpu()[1, 2].item() == 10.0 and param.data.device.type == "npu"
+    with pytest.raises(RuntimeError, match="simulated npu"):
+        param.data = torch.zeros(2, 3)
+
+
+@fake_npu.in_fresh_process
 def test_transfers_are_recorded_with_their_blocking_flag():
     fake_npu.enable()
     dev = torch.ones(4).to("npu")

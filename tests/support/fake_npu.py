@@ -138,6 +138,19 @@ class FakeNpuTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: D105
         return f"FakeNpuTensor({self._data!r}, device='{self.device}')"
 
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new):
+        # `param.data = x` (common in weight post-processing) swaps the tensor's metadata in
+        # C++; the private CPU buffer has to follow, or reads would still see the old values.
+        if not isinstance(new, FakeNpuTensor):
+            raise RuntimeError(f"the simulated npu cannot take .data from a {new.device} tensor; copy it first")
+        torch.Tensor.data.__set__(self, new)
+        self._data = new._data
+
     def tolist(self):  # a real device answers tolist() with an implicit device-to-host copy
         _log("d2h", False)
         return self._data.tolist()
