@@ -7,7 +7,9 @@ ascend profile beside it, as vllm-omni's NPU workers subclass vllm-ascend's.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from pathlib import Path
 
 REPLICAS = Path(__file__).resolve().parents[1] / "replicas"
@@ -47,3 +49,22 @@ def pythonpath_with(*names: str, base: str | None = None) -> str:
     if rest:
         parts.append(rest)
     return os.pathsep.join(parts)
+
+
+@contextlib.contextmanager
+def on_sys_path(*names: str):
+    """Put profiles first on this process's sys.path; restore sys.path and forget the modules
+    imported from them on exit. Prefer a child process (``npu_env`` + ``profile_paths`` with
+    ``tests.support.subproc.run_python``) for anything that patches real classes."""
+    roots = [str(p) for p in profile_paths(*names)]
+    saved = list(sys.path)
+    before = set(sys.modules)
+    sys.path[:0] = roots
+    try:
+        yield roots
+    finally:
+        sys.path[:] = saved
+        for name in set(sys.modules) - before:
+            origin = getattr(sys.modules[name], "__file__", None) or ""
+            if any(origin.startswith(root) for root in roots):
+                del sys.modules[name]
