@@ -156,7 +156,7 @@ def test_scratch_stays_under_one_expert(n, k, threads):
     chunk = k8.default_chunk_rows(rows, width, transposed=True, workers=threads)
     workers = k8._Workers(threads, chunk, width)
     codes = workers.codes_for(rows, width)
-    used = sum(s.f32.numel() * 4 for s in workers.scratches) + codes.numel()
+    used = sum(s.f32.numel() * 4 + s.u8.numel() for s in workers.scratches) + codes.numel()
     assert used <= n * k * 2, (chunk, used, n * k * 2)
 
 

@@ -50,7 +50,8 @@ BLOCK = (128, 128)
 _HALF_BIAS_SHIFT = 256.0  # 2**(15 - 7): float16 exponent bias minus e4m3's
 _SIGN_AND_MAGNITUDE = -16512  # 0xBF80 as int16: sign bit 15 and bits 13..7
 _CHUNK_CHOICES = (256, 128, 64, 32, 16, 8)
-_SCRATCH_BYTES_PER_ELEMENT = 4  # one float32 buffer per worker
+_TRANSPOSE_SLAB = 32
+_SCRATCH_BYTES_PER_ELEMENT = 5  # a float32 and a uint8 buffer per worker
 
 ExpertSource = Union[MutableSequence, MutableMapping]
 
@@ -103,11 +104,12 @@ def default_chunk_rows(rows: int, width: int, transposed: bool, workers: int = 1
 
 
 class _Scratch:
-    """One worker's float32 chunk buffer."""
+    """One worker's chunk buffers."""
 
     def __init__(self, chunk_rows: int, width: int) -> None:
         self.chunk_rows = chunk_rows
         self.f32 = torch.empty(chunk_rows, width, dtype=torch.float32)
+        self.u8 = torch.empty(chunk_rows, width, dtype=torch.uint8)
 
 
 class _Workers:
@@ -226,13 +228,14 @@ def _expand_rows(codes: torch.Tensor, scale_rows: torch.Tensor, row_block: int, 
             # The output rows double as the int16 scratch: they are overwritten last.
             half = dst.view(torch.int16)
             half.copy_(src)  # sign-extends into bits 7..15
-            half.bitwise_left_shift_(7)
+            half.mul_(128)  # << 7 (torch's int16 multiply is faster than its shift)
             half.bitwise_and_(_SIGN_AND_MAGNITUDE)
             f.copy_(half.view(torch.float16))  # exact, = v * 2**-8
-            # e4m3fn NaN codes (0x7F/0xFF) came out as +-1.875; finite codes stay within +-1.75.
-            low, high = torch.aminmax(f)
-            if float(high) > 1.75 or float(low) < -1.75:
-                f.masked_fill_(f.abs() > 1.75, float("nan"))
+            # e4m3fn NaN codes (0x7F/0xFF) came out finite (+-1.875).  Rare: a cheap byte test first.
+            flag = scratch.u8[:r]
+            torch.bitwise_or(src.view(torch.uint8), 0x80, out=flag)
+            if int(flag.max()) == 0xFF:
+                f.masked_fill_(flag == 0xFF, float("nan"))
             if not fold:
                 f.mul_(_HALF_BIAS_SHIFT)
         else:
@@ -285,9 +288,13 @@ def dequant_block_fp8(
     scale32 = scale.to(torch.float32)
     codes = weight.view(torch.int8)
     if transposed:
-        # A whole-matrix transpose of the 1-byte codes takes torch's blocked fast path.
+        # Transpose the 1-byte codes, not the dense result.  Slabs of 32 source rows (as uint8,
+        # which torch copies faster than int8) beat torch's whole-matrix transpose by about 1.6x
+        # on one thread, and spread over the workers.
         t = _workers.codes_for(k, n)
-        t.copy_(codes.t())
+        src, dst = codes.view(torch.uint8), t.view(torch.uint8)
+        slabs = [(a, min(a + _TRANSPOSE_SLAB, n)) for a in range(0, n, _TRANSPOSE_SLAB)]
+        _workers.run(slabs, lambda a, b, _scratch: dst[:, a:b].copy_(src[a:b].t()))
         codes, scale32, bn, bk = t, scale32.t(), bk, bn
     elif not codes.is_contiguous():
         codes = codes.contiguous()
