@@ -12,6 +12,8 @@ memory the method needs beyond its inputs and output.  Methods:
              Ascend bf16 MoE method keeps (what the port's device transpose made)
   ours       drama3_patches.kernels.fp8.dequant_experts, transposed layout
   ours_n     the same in the checkpoint layout
+  ours_pool  ours with num_threads = torch's thread count: row chunks on Python
+             threads, torch ops single-threaded (for hosts whose cores are busy)
   clone      out.copy_(bf16 tensor of output size): the memory-bandwidth yardstick
 
 Every expansion result is compared bit for bit with ``naive`` (one expert
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-METHODS = ("naive", "naive_t", "ours", "ours_n", "clone")
+METHODS = ("naive", "naive_t", "ours", "ours_n", "ours_pool", "clone")
 
 
 def _rss_kib(field: str) -> int:
@@ -84,7 +86,7 @@ def _child(method: str, experts: int, shapes: list[tuple[int, int]], repeats: in
             layers.append((w, s))
         # Outputs exist (and are paged in) before the clock and the peak counter start:
         # the parameter a loader fills is allocated up front, so "peak+" is pure scratch.
-        transposed = method in ("naive_t", "ours")
+        transposed = method in ("naive_t", "ours", "ours_pool")
         outs = [torch.zeros((experts, k, n) if transposed else (experts, n, k), dtype=torch.bfloat16)
                 for n, k in shapes]
         yard = [torch.ones(experts, n, k, dtype=torch.bfloat16) if method == "clone" else None for n, k in shapes]
@@ -101,7 +103,8 @@ def _child(method: str, experts: int, shapes: list[tuple[int, int]], repeats: in
                     del dense
             else:
                 # Hand over fresh containers; the master lists keep the inputs for the next repeat.
-                dequant_experts(list(w), list(s), out, transposed=method == "ours")
+                dequant_experts(list(w), list(s), out, transposed=method != "ours_n",
+                                num_threads=torch.get_num_threads() if method == "ours_pool" else None)
         return outs
 
     # Page in the code this method runs (libtorch kernels, threads) on a tiny layer first:
@@ -125,7 +128,7 @@ def _child(method: str, experts: int, shapes: list[tuple[int, int]], repeats: in
         for (w, s), out in zip(layers, outs):
             for e in (0, experts - 1):
                 ref = reference_dequant(w[e], s[e])
-                got = out[e].t() if method in ("naive_t", "ours") else out[e]
+                got = out[e].t() if method in ("naive_t", "ours", "ours_pool") else out[e]
                 checked &= torch.equal(got.contiguous().view(torch.int16), ref.view(torch.int16))
     for _ in range(repeats - 1):
         t0 = time.perf_counter()

@@ -20,15 +20,23 @@ functions here produce the same bits, faster and in bounded memory:
 * Output may be written transposed, ``(K, N)`` per expert, which is the layout
   vLLM-Ascend's bf16 MoE method keeps after ``process_weights_after_loading``
   (``w13`` as ``(E, H, 2I)``, ``w2`` as ``(E, I, H)``); the transpose is done
-  on the 1-byte fp8 codes, never on a dense copy.
-* Work is streamed one expert at a time, in row chunks; each op is large
-  enough for torch's intra-op threads.  Scratch memory beyond the output is at
-  most ``N*K`` bytes (the transposed codes) plus ``4 * chunk_rows * width``
-  bytes per thread; the default chunk size keeps the sum under one expert's
-  bfloat16 size.
+  on the 1-byte fp8 codes, never on a dense copy.  (A transposed write of the
+  bf16 result would also change NaN encodings: torch's strided float32 ->
+  bfloat16 conversion gives 0x7FC0 where the contiguous one gives 0xFFFF.)
+* Work is streamed one expert at a time, in row chunks; every op is big
+  enough for torch's intra-op (OpenMP) threads, the default.  On a host
+  whose cores are busy with other processes, joining all threads after every
+  op stalls; ``num_threads=k`` then runs chunks on k Python threads instead
+  (torch ops release the GIL) with torch's own threads at 1 for the call.
+  The output rows double as int16 scratch.  Scratch memory beyond the output is
+  at most ``N*K`` bytes (the transposed codes) plus ``5 * chunk_rows * width``
+  bytes per thread; the default chunk size keeps the sum under 90% of one
+  expert's bfloat16 size.
 * :func:`dequant_experts` takes the per-expert sources out of the caller's
   container (list or dict) and drops each before taking the next, so the fp8
   copy of an expert is gone before the next expert's dense data is produced.
+  An output on another device gets each expert through one reusable host
+  staging buffer and a blocking copy.
 """
 
 from __future__ import annotations
@@ -268,12 +276,12 @@ def dequant_block_fp8(
 
     Returns ``(N, K)``, or ``(K, N)`` (the transpose, contiguous) when
     ``transposed``; ``out`` (CPU, bfloat16, that shape, rows contiguous)
-    receives the result when given.  ``num_threads`` (default: torch's)
-    threads expand row chunks in parallel.
+    receives the result when given.  ``num_threads`` > 1 expands row chunks
+    on that many Python threads instead of torch's intra-op threads.
     """
     if _workers is None:
         rows, width = reversed(weight.shape) if transposed else weight.shape
-        threads = num_threads or torch.get_num_threads()
+        threads = num_threads or 1
         with _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width) as workers:
             return dequant_block_fp8(weight, scale, transposed=transposed, out=out, block_size=block_size,
                                      where=where, _workers=workers)
@@ -332,15 +340,16 @@ def dequant_experts(
 
     ``out`` may live on another device: each expert is then expanded into one
     reusable CPU staging buffer and copied with a blocking copy.
-    ``num_threads`` (default: torch's) threads expand row chunks in parallel;
-    torch's own thread count is 1 for the duration of the call.
+    ``num_threads`` > 1 expands row chunks on that many Python threads, with
+    torch's own thread count at 1 for the duration of the call; by default
+    torch's intra-op threads parallelise each op.
     """
     num_experts = out.shape[0]
     if out.dtype != torch.bfloat16 or out.dim() != 3:
         raise ValueError(f"{name}: out must be a 3-D bfloat16 tensor, got {out.dtype} {tuple(out.shape)}")
     on_cpu = out.device.type == "cpu"
     rows, width = out.shape[1], out.shape[2]
-    threads = num_threads or torch.get_num_threads()
+    threads = num_threads or 1
     workers = _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width)
     staging = None if on_cpu else torch.empty(rows, width, dtype=torch.bfloat16)
     with workers:
