@@ -198,6 +198,17 @@ def expand_layer(layer, host: dict, block_size, w13_shards: int = 2) -> None:
 def _finish_like_base(layer) -> None:
     """The part of the Ascend method's post-processing that follows its transposes."""
     try:
+        from vllm_ascend.ascend_config import get_ascend_config
+
+        fused_mc2 = getattr(get_ascend_config(), "enable_fused_mc2", False)
+    except Exception:  # no ascend config here (replicas, or not initialised): the plain path
+        fused_mc2 = False
+    if fused_mc2:
+        # That path wants NZ weights or per-expert weight lists built by the base method.
+        raise NotImplementedError(
+            "fp8-expert-method: enable_fused_mc2 is not supported for CPU-expanded block-FP8 experts"
+        )
+    try:
         from vllm_ascend.utils import maybe_trans_nz
     except ImportError:
         try:
