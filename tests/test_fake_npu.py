@@ -42,6 +42,14 @@ def test_device_identity_and_explicit_copies():
     assert torch.cat([dev, dev]).device.type == "npu"
     assert (dev * 2).sum().item() == 2 * dev.cpu().sum().item()
     assert dev.to(torch.bfloat16).device.type == "npu" and dev.float().dtype == torch.float32
+    # The device module a CUDA-style code path reaches through torch.npu.
+    assert torch.npu.is_available() and torch.npu.device_count() == 1 and torch.npu.current_device() == 0
+    event = torch.npu.Event()
+    event.record()
+    event.synchronize()
+    assert event.query() and torch.npu.current_stream().query()
+    with torch.npu.stream(torch.npu.Stream()):
+        torch.npu.synchronize()
 
 
 @fake_npu.in_fresh_process

@@ -18,6 +18,9 @@ What it gives (after :func:`enable`):
   accepted by advanced indexing (``x[idx]``, ``x[idx] = v``), and copies.
 * :func:`record_transfers` records every host<->device copy with its
   ``non_blocking`` flag, so a test can check how data left the device.
+* ``torch.npu`` answers ``is_available``, ``device_count``, ``current_device``,
+  ``synchronize``, ``Event``, ``Stream``, ``current_stream`` and ``stream``
+  (all trivially: the simulated device is synchronous).
 
 Limits: single device (``npu:0``); no autograd; no pinned memory; ``out=``
 arguments that would be resized are not supported.  Copies are synchronous
@@ -250,8 +253,58 @@ def _copy_from(src, dst, non_blocking=False):
     return _copy(dst, src, non_blocking)
 
 
+class Event:
+    """``torch.npu.Event`` stand-in: the simulated device finishes work at once."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class Stream:
+    """``torch.npu.Stream`` stand-in (one in-order queue, always idle)."""
+
+    def __init__(self, device=None, priority: int = 0) -> None:
+        self.device = device
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+
+_DEFAULT_STREAM = Stream()
+
+
 def _device_module() -> types.ModuleType:
     mod = types.ModuleType("torch.npu", "simulated npu device module (tests only)")
+    mod.Event, mod.Stream = Event, Stream
+    mod.current_stream = lambda device=None: _DEFAULT_STREAM
+    mod.default_stream = lambda device=None: _DEFAULT_STREAM
+    mod.stream = lambda stream: contextlib.nullcontext(stream)
     mod.is_available = lambda: True
     mod.is_initialized = lambda: True
     mod._is_in_bad_fork = lambda: False
