@@ -291,6 +291,7 @@ class Engine:
             versions={d: _installed(d) for d in spec.requires},
             logger=init_logger(f"drama3_patches.patches.{spec.id}"),
             _resolve=lambda t: resolved[t][2],
+            _owner=lambda t: resolved[t][:2],
         )
         try:
             plan_fn = _load_callable(spec.implementation)

@@ -31,6 +31,7 @@ __all__ = [
     "PatchContext",
     "accepts",
     "accepts_var_keyword",
+    "overridden",
     "wrap",
 ]
 
@@ -47,6 +48,7 @@ class PatchContext:
     versions: Mapping[str, str | None]
     logger: logging.Logger
     _resolve: Callable[[str], Any] = field(repr=False, default=None)  # type: ignore[assignment]
+    _owner: Callable[[str], tuple] = field(repr=False, default=None)  # type: ignore[assignment]
     left: dict[str, str] = field(default_factory=dict)
 
     def original(self, target: str) -> Any:
@@ -59,6 +61,12 @@ class PatchContext:
         if target not in self.targets:
             raise KeyError(f"{target!r} is not among this call's targets {self.targets}")
         return self._resolve(target)
+
+    def owner(self, target: str) -> tuple[Any, str]:
+        """(the class or module holding ``target``, the attribute name)."""
+        if target not in self.targets:
+            raise KeyError(f"{target!r} is not among this call's targets {self.targets}")
+        return self._owner(target)
 
     def leave(self, target: str, reason: str) -> None:
         """Say why ``target`` is left as it is (reported as ``not-needed``)."""
@@ -105,3 +113,11 @@ def accepts_var_keyword(func: Callable) -> bool:
     return sig is not None and any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()
     )
+
+
+def overridden(cls: type, name: str):
+    """The definition ``cls.name`` overrides: the next class in the MRO that defines it, else None."""
+    for base in cls.__mro__[1:]:
+        if name in base.__dict__:
+            return getattr(base, name)
+    return None

@@ -22,7 +22,6 @@ import os
 import random
 import re
 import struct
-import sys
 import threading
 import time
 import urllib.parse

@@ -237,7 +237,6 @@ def build(original):
         cls = expanded_method_class(_ascend_bf16_method_class())
         return cls(layer.moe_config, self.weight_block_size)
 
-    get_quant_method.__drama3_patch__ = "fp8-expert-method"
     return get_quant_method
 
 

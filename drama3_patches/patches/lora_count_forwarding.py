@@ -16,11 +16,10 @@ requires it gets the count the batch descriptor was dispatched with
 from __future__ import annotations
 
 import inspect
-import sys
 from collections import OrderedDict
 
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import PatchContext, wrap
+from drama3_patches.patchlib import PatchContext, overridden, wrap
 
 logger = init_logger(__name__)
 
@@ -28,19 +27,11 @@ ARG = "num_active_loras"
 _ABSENT = inspect.Parameter.empty
 
 
-def _owner(target: str):
-    module_name, qualname = target.split(":")
-    owner = sys.modules[module_name]
-    for part in qualname.split(".")[:-1]:
-        owner = getattr(owner, part)
-    return owner, qualname.split(".")[-1]
-
-
 def parent_method(cls: type, name: str):
-    for base in cls.__mro__[1:]:
-        if name in base.__dict__:
-            return getattr(base, name)
-    raise AttributeError(f"no class after {cls.__qualname__} in its MRO defines {name}")
+    parent = overridden(cls, name)
+    if parent is None:
+        raise AttributeError(f"no class after {cls.__qualname__} in its MRO defines {name}")
+    return parent
 
 
 def _signatures(parent) -> tuple[inspect.Signature, inspect.Signature, bool, bool]:
@@ -92,7 +83,7 @@ def build(original, parent):
 def plan(ctx: PatchContext) -> dict:
     out = {}
     for target in ctx.targets:
-        cls, name = _owner(target)
+        cls, name = ctx.owner(target)
         parent = parent_method(cls, name)
         out[target] = build(ctx.original(target), parent)
         ctx.logger.info(

@@ -16,30 +16,13 @@ every chunk rather than only the last one, the behaviour before vLLM added the a
 from __future__ import annotations
 
 import inspect
-import sys
 
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import PatchContext, accepts, wrap
+from drama3_patches.patchlib import PatchContext, accepts, overridden, wrap
 
 logger = init_logger(__name__)
 
 ARG = "prefill_end"
-
-
-def _owner(target: str):
-    module_name, qualname = target.split(":")
-    owner = sys.modules[module_name]
-    for part in qualname.split(".")[:-1]:
-        owner = getattr(owner, part)
-    return owner, qualname.split(".")[-1]
-
-
-def _inherited(cls: type, name: str):
-    """The method ``cls.name`` overrides: the next definition in the MRO."""
-    for base in cls.__mro__[1:]:
-        if name in base.__dict__:
-            return getattr(base, name)
-    return None
 
 
 def _names(func, arg: str) -> bool:
@@ -55,7 +38,7 @@ def needs_prefill_end(cls: type, name: str) -> str | None:
     func = own.__func__ if isinstance(own, (staticmethod, classmethod)) else own
     if not callable(func):
         return f"{cls.__qualname__}.{name} is not a method defined on the class"
-    parent = _inherited(cls, name)
+    parent = overridden(cls, name)
     if parent is None or not _names(parent, ARG):
         return f"the method it overrides takes no {ARG}, so vLLM does not pass it"
     if accepts(func, ARG):
@@ -90,14 +73,14 @@ def _build(func, parent) -> callable:
 def plan(ctx: PatchContext) -> dict:
     out = {}
     for target in ctx.targets:
-        cls, name = _owner(target)
+        cls, name = ctx.owner(target)
         why_not = needs_prefill_end(cls, name)
         if why_not is not None:
             ctx.leave(target, why_not)
             continue
         raw = ctx.original(target)
         func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-        wrapper = _build(func, _inherited(cls, name))
+        wrapper = _build(func, overridden(cls, name))
         out[target] = type(raw)(wrapper) if isinstance(raw, (staticmethod, classmethod)) else wrapper
     _warn_unlisted(ctx)
     return out
@@ -108,7 +91,7 @@ def _warn_unlisted(ctx: PatchContext) -> None:
     listed = set(ctx.targets)
     seen = set()
     for target in ctx.targets:
-        cls, _ = _owner(target)
+        cls, _ = ctx.owner(target)
         if cls in seen:
             continue
         seen.add(cls)

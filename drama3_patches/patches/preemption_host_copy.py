@@ -66,7 +66,6 @@ def build(original):
         with HostCopyClones():
             return original(self, *args, **kwargs)
 
-    on_request_preempted.__drama3_patch__ = "preemption-host-copy"
     return on_request_preempted
 
 
