@@ -429,7 +429,7 @@ class Engine:
             write_report(self)
 
     def import_targets(self) -> dict[str, str]:
-        """Import every target module (for ``status --import-targets``); failures are reported."""
+        """Import every target module (for ``status --import-targets``); call ``status()`` after."""
         errors: dict[str, str] = {}
         for module in dict.fromkeys(m for p in self.manifest.patches for m in p.modules):
             try:
@@ -438,8 +438,8 @@ class Engine:
                 raise
             except Exception as exc:  # ImportError and whatever a broken module raises
                 errors[module] = f"{type(exc).__name__}: {exc}"
+        # The next evaluation (``status()``) reports these targets as skipped, with the error.
         self._import_errors.update(errors)
-        self.status()
         return errors
 
     # -- reporting ---------------------------------------------------------------

@@ -31,7 +31,10 @@ __all__ = [
     "PatchContext",
     "accepts",
     "accepts_var_keyword",
+    "names",
     "overridden",
+    "rewrap",
+    "unwrap_descriptor",
     "wrap",
 ]
 
@@ -98,6 +101,12 @@ def _signature(func: Callable) -> inspect.Signature | None:
         return None
 
 
+def names(func: Callable, name: str) -> bool:
+    """True when ``func``'s signature has a parameter called ``name`` (``**kwargs`` not counted)."""
+    sig = _signature(func)
+    return sig is not None and name in sig.parameters
+
+
 def accepts(func: Callable, name: str) -> bool:
     """True when ``func`` takes a parameter ``name`` (or ``**kwargs``)."""
     sig = _signature(func)
@@ -106,6 +115,17 @@ def accepts(func: Callable, name: str) -> bool:
     if name in sig.parameters:
         return sig.parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY
     return accepts_var_keyword(func)
+
+
+def unwrap_descriptor(raw: Any) -> Any:
+    """The function inside a ``classmethod``/``staticmethod``, else ``raw`` itself."""
+    return raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+
+
+def rewrap(raw: Any, make: Callable[[Callable], Callable]) -> Any:
+    """``make(function)`` wrapped again in the descriptor ``raw`` came in (class dict entries)."""
+    new = make(unwrap_descriptor(raw))
+    return type(raw)(new) if isinstance(raw, (classmethod, staticmethod)) else new
 
 
 def accepts_var_keyword(func: Callable) -> bool:

@@ -18,28 +18,29 @@ from __future__ import annotations
 import inspect
 
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import PatchContext, accepts, overridden, wrap
+from drama3_patches.patchlib import (
+    PatchContext,
+    accepts,
+    names,
+    overridden,
+    rewrap,
+    unwrap_descriptor,
+    wrap,
+)
 
 logger = init_logger(__name__)
 
 ARG = "prefill_end"
 
 
-def _names(func, arg: str) -> bool:
-    try:
-        return arg in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def needs_prefill_end(cls: type, name: str) -> str | None:
     """None when ``cls.name`` must be wrapped, else why it is fine as it is."""
     own = cls.__dict__.get(name)
-    func = own.__func__ if isinstance(own, (staticmethod, classmethod)) else own
+    func = unwrap_descriptor(own)
     if not callable(func):
         return f"{cls.__qualname__}.{name} is not a method defined on the class"
     parent = overridden(cls, name)
-    if parent is None or not _names(parent, ARG):
+    if parent is None or not names(parent, ARG):
         return f"the method it overrides takes no {ARG}, so vLLM does not pass it"
     if accepts(func, ARG):
         return f"{cls.__qualname__}.{name} already accepts {ARG} (or **kwargs)"
@@ -78,10 +79,8 @@ def plan(ctx: PatchContext) -> dict:
         if why_not is not None:
             ctx.leave(target, why_not)
             continue
-        raw = ctx.original(target)
-        func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-        wrapper = _build(func, overridden(cls, name))
-        out[target] = type(raw)(wrapper) if isinstance(raw, (staticmethod, classmethod)) else wrapper
+        parent = overridden(cls, name)
+        out[target] = rewrap(ctx.original(target), lambda func: _build(func, parent))
     _warn_unlisted(ctx)
     return out
 

@@ -11,19 +11,17 @@ failure path.
 
 from __future__ import annotations
 
-from drama3_patches.patchlib import NotNeeded, PatchContext, wrap
+from drama3_patches.patchlib import NotNeeded, PatchContext, rewrap, wrap
 
 SUFFIX = " [patched]"
 
 
-def _wrapped(original):
-    func = original.__func__ if isinstance(original, (classmethod, staticmethod)) else original
-
+def _wrapped(func):
     @wrap(func)
     def wrapper(*args, **kwargs):
         return f"{func(*args, **kwargs)}{SUFFIX}"
 
-    return type(original)(wrapper) if isinstance(original, (classmethod, staticmethod)) else wrapper
+    return wrapper
 
 
 def plan(ctx: PatchContext) -> dict:
@@ -37,5 +35,5 @@ def plan(ctx: PatchContext) -> dict:
                 raise NotNeeded(f"{target} carries upstream_fixed")
             ctx.leave(target, "upstream_fixed is set")
             continue
-        out[target] = _wrapped(original)
+        out[target] = rewrap(original, _wrapped)
     return out

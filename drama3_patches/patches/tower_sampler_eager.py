@@ -52,19 +52,21 @@ def kernel_for(original):
     return matches[0] if len(matches) == 1 else None
 
 
-def _first_tensor_is_cuda(args, kwargs) -> bool:
-    import torch
-
+def _first_tensor_is_cuda(args, kwargs, tensor_type) -> bool:
     for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, tensor_type):
             return value.is_cuda
     return False
 
 
 def _build(original, kernel):
+    import torch  # resolved once here, not on every call of the hot path
+
+    tensor_type = torch.Tensor
+
     @wrap(original)
     def dispatch(*args, **kwargs):
-        if _first_tensor_is_cuda(args, kwargs):
+        if _first_tensor_is_cuda(args, kwargs, tensor_type):
             return original(*args, **kwargs)
         return kernel(*args, **kwargs)
 
