@@ -255,10 +255,17 @@ class Engine:
                 tr.state, tr.reason = PENDING, "target replaced since (module reloaded)"
             elif tr.state == SKIPPED:
                 tr.state, tr.reason = PENDING, "target module not imported yet"
-        for tr in rec.targets.values():
-            err = self._import_errors.get(tr.target.module)
-            if tr.state == PENDING and err and tr.target.module not in sys.modules:
-                tr.state, tr.reason = SKIPPED, f"target module {tr.target.module} cannot be imported ({err})"
+        # Past the guards the patch's distributions are installed inside its version range, so a
+        # target that is missing there is drift: the operator must hear about it (failed, not skipped).
+        broken = {
+            tr.target.spec: f"target module {tr.target.module} cannot be imported ({err})"
+            for tr in rec.targets.values()
+            if tr.state == PENDING and tr.target.module not in sys.modules
+            and (err := self._import_errors.get(tr.target.module))
+        }
+        if broken:
+            self._drift(rec, broken)
+            return
         ready = [
             tr for tr in rec.targets.values()
             if tr.state == PENDING and tr.target.module in sys.modules
@@ -270,9 +277,7 @@ class Engine:
             try:
                 owner, attr, raw, had_own = resolve(tr.target)
             except TargetAbsent as exc:
-                # All or none: one absent target leaves the whole batch alone.
-                for other in ready:
-                    other.state, other.reason = SKIPPED, f"target absent: {exc}"
+                self._drift(rec, {tr.target.spec: f"target absent: {exc}"})
                 return
             mark = self.is_ours(raw)
             if mark == rec.spec.id:
@@ -332,6 +337,22 @@ class Engine:
         for tr in installed:
             self._rebind_aliases(tr)
             logger.info("drama3-patches: %s applied to %s", spec.id, tr.target.spec)
+
+    def _drift(self, rec: PatchRecord, missing: dict[str, str]) -> None:
+        """Targets missing inside the version range: the whole patch fails (all or none), naming them."""
+        for spec, why in missing.items():
+            tr = rec.targets[spec]
+            tr.state, tr.reason = FAILED, why
+        names = ", ".join(missing)
+        self._restore(rec, [tr for tr in rec.targets.values() if tr.state == APPLIED])
+        for tr in rec.targets.values():
+            if tr.state in (PENDING, SKIPPED):
+                tr.state, tr.reason = FAILED, f"not applied: {names} is missing (a patch applies all or none)"
+        versions = ", ".join(f"{d} {_installed(d)}" for d in rec.spec.requires)
+        self._fail(rec, [], TargetAbsent(
+            f"{'; '.join(missing.values())} (installed: {versions}; the manifest's range admits them, "
+            "so the target moved or the code changed: update the manifest's targets or its version range)"
+        ))
 
     def _fail(self, rec: PatchRecord, targets: list[str], exc: BaseException) -> None:
         cause = f"{type(exc).__name__}: {exc}"
@@ -407,7 +428,9 @@ class Engine:
         """Derive the patch's state from its targets'."""
         trs = list(rec.targets.values())
         states = [t.state for t in trs]
-        first = {s: next(t for t in trs if t.state == s) for s in states}
+        # A target that failed for its own cause speaks for the patch before one failed alongside it.
+        ordered = sorted(trs, key=lambda t: t.reason.startswith("not applied:"))
+        first = {s: next(t for t in ordered if t.state == s) for s in states}
         pending = [t.target.spec for t in trs if t.state == PENDING]
         if FAILED in first:
             rec.state, rec.reason = FAILED, f"{first[FAILED].target.spec}: {first[FAILED].reason}"

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from support.selftest import write_dist, write_manifest, write_target
-from support.subproc import run_python
+from support.subproc import run_cli, run_python
 
 T_GREET = "d3p_target:greet"
 T_HI = "d3p_target:Greeter.hi"
@@ -236,9 +236,74 @@ def test_target_absent_and_feature_detection(sandbox):
             print(p["id"], p["state"], p["reason"])
         print(d3p_target.greet("x"))
     """, ctx).stdout.splitlines()
-    assert out[0] == "absent skipped target absent: d3p_target:Greeter.nope does not exist in the installed code"
+    assert out[0] == ("absent failed d3p_target:Greeter.nope: target absent: "
+                      "d3p_target:Greeter.nope does not exist in the installed code")
     assert out[1] == "fixed not-needed upstream fix detected: d3p_target:fixed carries upstream_fixed"
     assert out[2] == "hello x!"  # all or none: the present target was left alone too
+
+
+DRIFT = """
+    import json, d3p_target, drama3_patches
+    p = drama3_patches.status()["patches"][0]
+    print(json.dumps([p["state"], p["reason"], {t: s["state"] for t, s in p["target_states"].items()}]))
+"""
+
+
+@pytest.mark.parametrize("installed,spec,expect", [
+    # Installed inside the range: a missing target is drift, loud.
+    ("0.32.0rc1", ">=0.32.0rc1,<0.33", "failed"),
+    # Outside the range or not installed: the patch is not for this host, quiet.
+    ("0.33.0", ">=0.32.0rc1,<0.33", "skipped"),
+    (None, ">=0.32.0rc1,<0.33", "skipped"),
+])
+def test_drift_inside_the_version_range_fails_loudly(sandbox, installed, spec, expect):
+    if installed:
+        write_dist(sandbox.root, "d3p-upstream", installed)
+    ctx = sandbox({"targets": [T_GREET, "d3p_target:Greeter.renamed"], "requires": f'{{d3p-upstream: "{spec}"}}'})
+    state, reason, targets = json.loads(run(DRIFT, ctx).stdout)
+    assert state == expect
+    if expect == "failed":
+        assert reason.startswith("d3p_target:Greeter.renamed: target absent:")
+        assert targets == {T_GREET: "failed", "d3p_target:Greeter.renamed": "failed"}
+    else:
+        assert "failed" not in targets.values()
+
+
+def test_drift_of_a_target_module_fails_status_and_strict_raises(sandbox, tmp_path):
+    write_dist(sandbox.root, "d3p-upstream", "0.32.0rc1")
+    ctx = sandbox({"targets": [T_GREET, "d3p_moved.model_state:State.preempt"],
+                   "requires": '{d3p-upstream: ">=0.32.0rc1,<0.33"}'})
+    proc = run_cli("status", "--json", "--import-targets", env=ctx["env"], pythonpath=ctx["pythonpath"])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    patch = json.loads(proc.stdout)["patches"][0]
+    assert patch["state"] == "failed"
+    assert "d3p_moved.model_state" in patch["reason"] and "ModuleNotFoundError" in patch["reason"]
+    assert "d3p-upstream 0.32.0rc1" in proc.stderr  # the warning names the installed version
+    # The present target is not left half-patched: all or none.
+    assert patch["target_states"][T_GREET]["state"] == "failed"
+
+    strict = dict(ctx["env"], DRAMA3_PATCHES_STRICT="1")
+    proc = run_python("import drama3_patches.engine as e; e.get_engine().import_targets(); "
+                      "import drama3_patches; drama3_patches.status()",
+                      env=strict, pythonpath=ctx["pythonpath"], check=False)
+    assert proc.returncode != 0
+    assert "PatchError" in proc.stderr and "d3p_moved.model_state" in proc.stderr
+
+
+def test_late_drift_restores_targets_already_applied(sandbox):
+    # The first module was patched on import; the second arrives without its target.
+    write_dist(sandbox.root, "d3p-upstream", "0.32.0rc1")
+    write_target(sandbox.root, "d3p_second", "def other():\n    return 'other'\n")
+    ctx = sandbox({"targets": [T_GREET, "d3p_second:gone"], "requires": '{d3p-upstream: ">=0.32.0rc1,<0.33"}'})
+    out = run("""
+        import d3p_target
+        print(d3p_target.greet("a"))
+        import d3p_second
+        print(d3p_target.greet("b"))
+        import drama3_patches
+        print(drama3_patches.status()["patches"][0]["state"])
+    """, ctx).stdout.splitlines()
+    assert out == ["hello a! [patched]", "hello b!", "failed"]
 
 
 def test_pending_until_imported(sandbox):
