@@ -8,7 +8,7 @@ Three interpreters made from the same Python, in scratch virtual environments:
 
 Runs ``python -c pass`` in rounds that interleave the three, so machine noise
 hits each alike, and prints medians and the two ratios against ``bare``.
-Targets (DESIGN.md): unset <= 1.03x, enabled <= 1.20x.
+Targets (docs/design.md): unset <= 1.03x, enabled <= 1.20x.
 
     python benchmarks/startup.py [--rounds 60]
 """

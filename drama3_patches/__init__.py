@@ -30,7 +30,7 @@ def unapply(ids=None) -> None:
 
 
 def status() -> dict:
-    """This process's patch status, in the ``--json`` shape of DESIGN.md."""
+    """This process's patch status, in the ``--json`` shape of docs/design.md."""
     from drama3_patches.engine import get_engine
 
     return get_engine().status()

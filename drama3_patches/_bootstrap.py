@@ -32,7 +32,7 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def parse_flag(name: str) -> bool:
-    """Read a boolean variable the way DESIGN.md says; bad values warn once."""
+    """Read a boolean variable as docs/design.md says; bad values warn once."""
     raw = os.environ.get(name)
     if raw is None:
         return False

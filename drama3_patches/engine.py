@@ -215,7 +215,7 @@ class Engine:
         return out
 
     def _guard(self, rec: PatchRecord) -> str | None:
-        """Reason to skip, in DESIGN.md's order (enabled, platform, versions), else None."""
+        """Reason to skip, in docs/design.md's order (enabled, disabled, platform, versions), else None."""
         spec = rec.spec
         if not self.enabled():
             return f"{_bootstrap.ENV_ENABLE} is not enabled in this process"

@@ -1,4 +1,4 @@
-"""Test tiers (see DESIGN.md): markers `vllm`, `npu`, `ray`, `packaging` skip with a printed reason."""
+"""Test tiers (see docs/design.md): markers `vllm`, `npu`, `ray`, `packaging` skip with a printed reason."""
 
 from __future__ import annotations
 

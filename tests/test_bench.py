@@ -107,7 +107,7 @@ def test_measured_figures_match_what_was_injected(tmp_path):
     assert c1["wall_s"] >= sum(f + 3 * GAP for f in FIRSTS)  # one at a time
     assert c3["wall_s"] < c1["wall_s"]
 
-    # The table: UPSTREAM.md's columns plus completed/failed, and progress on stderr.
+    # The table: the port's published columns plus completed/failed, and progress on stderr.
     lines = r.stdout.splitlines()
     assert lines[0] == "| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | completed | failed |"
     assert lines[2].startswith(f"| 1 | {sb.sig3(c1['audio_s_per_s'])} | {sb.sig3(c1['ttfa_p50'])} s | ")
