@@ -20,11 +20,13 @@ CONTRACT_IDS = [
     "runner-selection", "lora-count-forwarding", "mamba-prefill-end", "qwen3next-eager-attention",
     "tower-sampler-eager", "preemption-host-copy", "fp8-expert-method",
 ]
+# Added for the published fish_omni (its GDN swap is CUDA-only); beyond the original contract.
+EXTRA_IDS = ["gdn-backbone-ascend"]
 
 
 def test_shipped_manifest_is_valid_and_has_the_contract_ids():
     m = load_manifest(SHIPPED)
-    assert list(m.ids) == CONTRACT_IDS
+    assert list(m.ids) == CONTRACT_IDS + EXTRA_IDS
     for p in m.patches:
         assert p.implementation.startswith("drama3_patches.patches.")
         for text in (p.why, p.how, p.upstream, p.remove_when):
