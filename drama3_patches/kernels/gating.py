@@ -1,4 +1,4 @@
-"""Sigmoid output gating, ``x * sigmoid(gate)``."""
+"""Sigmoid output gating: the eager counterpart of ``fish_omni.kernels.sigmoid_gate``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ __all__ = ["sigmoid_gate"]
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Return ``x * sigmoid(gate)``.
+    """``x * sigmoid(gate)`` evaluated in float32, rounded once to ``x.dtype``.
 
-    Shapes: ``gate`` broadcasts to ``x``.  Dtype: the result has ``x.dtype``;
-    the sigmoid and the product are evaluated in the inputs' dtype, exactly as
-    vLLM's attention forward does (``attn_output * torch.sigmoid(gate)``), so
-    the two agree bit for bit.  Inputs are not modified.
+    ``gate`` has ``x``'s number of elements (the published kernel pairs them
+    element by element in memory order; here in logical order, the same for
+    the contiguous tensors it is given).  A new tensor shaped like ``x``.
     """
-    out = torch.sigmoid(gate)
-    return out.mul_(x) if out.dtype == x.dtype and out.shape == x.shape else x * out
+    g32 = gate.reshape(x.shape).to(torch.float32)
+    return torch.sigmoid(g32).mul_(x.to(torch.float32)).to(x.dtype)

@@ -1,104 +1,102 @@
-"""RMS normalisation kernels (plain and Gemma-style), with an optional fused
-residual add, and the tower embedding lookup followed by a Gemma norm.
+"""Gemma (zero-centred) RMSNorm and the Drama 3 tower's fused norm entry points.
 
-Numerics follow vLLM's torch-native ``rms_norm`` / ``fused_add_rms_norm``
-(``vllm.ir.ops.layernorm``) operation for operation, so results are
-bit-identical to ``RMSNorm.forward_native`` / ``GemmaRMSNorm.forward_native``
-on the same device; the only change is fewer temporaries (in-place steps on
-tensors this module allocated itself).
+Eager counterparts of vllm-omni's ``fish_omni.kernels`` ``gemma_rms_norm``,
+``gemma_rms_norm_table`` and ``tower_mix_norm`` (same names, parameters and
+results), written for any torch device.
+
+Numerics, shared by all three: the row statistics, the ``1 + weight`` scale
+and the products are float32; a row is ``x * rsqrt(mean(x^2) + eps) * (w + 1)``
+in that order; a residual sum is formed in float32, returned rounded to the
+activation dtype, and the norm is taken of the unrounded float32 sum.  Where
+the published kernel rounds an intermediate to the output dtype (the tower's
+code embedding), so does this code.
+
+``gemma_rms_norm`` also serves ``qk_norm_rope_gate`` (vLLM's eager QK path),
+where it agrees bit for bit with ``GemmaRMSNorm.forward_native``.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gemma_rms_norm", "rms_norm", "tower_embed_norm"]
+__all__ = ["gemma_rms_norm", "gemma_rms_norm_table", "tower_mix_norm"]
 
 
-def _normalise(x32: torch.Tensor, eps: float) -> torch.Tensor:
-    # x32 may alias the caller's tensor (float32 input): never modify it in place.
+def _gemma_rows(x32: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise float32 rows ``[..., D]``; a new float32 tensor (``x32`` may be the caller's)."""
     variance = x32.pow(2).mean(dim=-1, keepdim=True)
-    return x32 * torch.rsqrt(variance + eps)
+    out = x32 * torch.rsqrt(variance + eps)
+    return out.mul_(weight.to(torch.float32) + 1.0)
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Plain RMSNorm: ``x / rms(x) * weight``.
+def _code_rows(code: torch.Tensor, code_mask: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``table[clamp(code)] * mask`` in float32, ``[rows, D]``.
 
-    Shapes: ``x`` is ``[..., H]``; ``weight`` is ``[H]`` (any float dtype) or
-    None; ``residual``, when given, has the shape of ``x``.
-
-    Dtypes and accumulation: ``x`` (and ``residual``) are upcast to float32;
-    the residual add, the mean of squares and the scaling happen in float32;
-    the normalised value is cast to ``weight.dtype`` before the weight
-    multiply (as vLLM's native op does), and the result is cast back to
-    ``x.dtype``.
-
-    Returns ``out`` or, with ``residual``, ``(out, new_residual)`` where
-    ``new_residual = (x + residual)`` rounded to ``x.dtype``.  Inputs are not
-    modified.
+    Codes outside the table are clamped to its first/last row (the published
+    kernel does the same instead of faulting); the mask multiplies, so a masked
+    row is exactly zero.
     """
-    orig_dtype = x.dtype
-    x32 = x.to(torch.float32)
-    new_residual = None
-    if residual is not None:
-        x32 = x32 + residual.to(torch.float32)
-        new_residual = x32.to(orig_dtype)
-    out = _normalise(x32, eps)
-    if weight is not None:
-        if weight.dtype == torch.float32:
-            out.mul_(weight)
-        else:
-            out = out.to(weight.dtype).mul_(weight)
-    out = out.to(orig_dtype)
-    return out if new_residual is None else (out, new_residual)
+    index = code.reshape(-1).clamp(0, table.shape[0] - 1)
+    rows = table.index_select(0, index).to(torch.float32)
+    return rows.mul_(code_mask.reshape(-1, 1).to(torch.float32))
 
 
 def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``x / rms(x) * (1 + weight)``; with ``residual``: ``(norm(x + r), x + r)``.
+
+    ``x`` is ``[..., D]`` (the published kernel takes ``[rows, D]``);
+    ``weight`` ``[D]`` of any float dtype; ``residual`` shaped like ``x``.
+    Results are new tensors in ``x.dtype``; inputs are not modified.
+    """
+    x32 = x.to(torch.float32)
+    if residual is None:
+        return _gemma_rows(x32, weight, eps).to(x.dtype)
+    x32 = x32 + residual.to(torch.float32)
+    return _gemma_rows(x32, weight, eps).to(x.dtype), x32.to(x.dtype)
+
+
+def gemma_rms_norm_table(
     x: torch.Tensor,
+    code: torch.Tensor,
+    code_mask: torch.Tensor,
+    table: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Gemma-style RMSNorm: ``x / rms(x) * (1 + weight)``.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + code_mask * table[code]``; returns ``(norm(s), s)`` in ``x.dtype``.
 
-    Shapes: ``x`` is ``[..., H]``; ``weight`` is ``[H]`` (stored as the offset
-    from 1, any float dtype); ``residual`` has the shape of ``x``.
-
-    Dtypes and accumulation: ``1 + weight`` is formed in float32 and the whole
-    computation (residual add, mean of squares, scaling, weight multiply) runs
-    in float32; only the result is cast back to ``x.dtype``.
-
-    Returns ``out`` or, with ``residual``, ``(out, new_residual)`` where
-    ``new_residual = (x + residual)`` rounded to ``x.dtype``.  Inputs are not
-    modified.
+    ``x`` ``[rows, D]``; ``code`` and ``code_mask`` one entry per row; ``table``
+    ``[codes, D]``.
     """
-    return rms_norm(x, weight.float() + 1.0, eps, residual)
+    s32 = x.to(torch.float32) + _code_rows(code, code_mask, table)
+    return _gemma_rows(s32, weight, eps).to(x.dtype), s32.to(x.dtype)
 
 
-def tower_embed_norm(
-    ids: torch.Tensor,
+def tower_mix_norm(
+    hidden: torch.Tensor,
+    code: torch.Tensor,
+    code_mask: torch.Tensor,
     table: torch.Tensor,
-    norm_weight: torch.Tensor,
+    extra: torch.Tensor | None,
+    enorm_weight: torch.Tensor,
+    hnorm_weight: torch.Tensor,
     eps: float,
-    codebook_size: int | None = None,
 ) -> torch.Tensor:
-    """Tower embedding lookup followed by a Gemma RMSNorm.
+    """``cat(enorm(code_mask * table[code] (+ extra)), hnorm(hidden))``, ``[rows, 2 * D]``.
 
-    ``ids`` is ``[N]`` (one id per row) or ``[N, C]`` with ``codebook_size``
-    given: then codebook ``c`` is looked up at ``ids[:, c] + c * codebook_size``
-    and the ``C`` embeddings are summed (in float32) before the norm.
-    ``table`` is ``[rows, H]``; the result is ``[N, H]`` in ``table.dtype``.
+    The embedding is rounded to ``hidden.dtype`` before ``extra`` is added and
+    again after, as the published kernel stores it; both norms then run in
+    float32 and the result is ``hidden.dtype``.
     """
-    if ids.dim() == 2 and codebook_size is not None:
-        offsets = torch.arange(ids.shape[1], device=ids.device, dtype=ids.dtype)
-        rows = ids + offsets * codebook_size
-        emb = torch.nn.functional.embedding(rows, table).float().sum(dim=1)
-        emb = emb.to(table.dtype)
-    else:
-        emb = torch.nn.functional.embedding(ids, table)
-    return gemma_rms_norm(emb, norm_weight, eps)
+    rows, dim = hidden.shape
+    dtype = hidden.dtype
+    emb = _code_rows(code, code_mask, table)
+    if extra is not None:
+        emb = emb.to(dtype).to(torch.float32) + extra.to(torch.float32)
+    emb = emb.to(dtype).to(torch.float32)
+    out = torch.empty((rows, 2 * dim), dtype=dtype, device=hidden.device)
+    out[:, :dim] = _gemma_rows(emb, enorm_weight, eps)
+    out[:, dim:] = _gemma_rows(hidden.to(torch.float32), hnorm_weight, eps)
+    return out

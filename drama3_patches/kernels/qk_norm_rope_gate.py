@@ -1,11 +1,17 @@
-"""Split the packed QKV(+gate) projection, Gemma-RMSNorm q and k per head,
-apply (partial) NeoX rotary embedding: the eager counterpart of vLLM's
-``fused_qk_rmsnorm_rope_gate`` Triton kernel.
+"""The QK RMSNorm + (partial) RoPE + gate split, with two numerics.
 
-Numerics are those of the eager branch of vLLM's
-``Qwen3NextAttention._project_qkv_gate`` (split, ``GemmaRMSNorm`` native
-forward in float32 with one rounding to the activation dtype, then RoPE in the
-activation dtype), so the two agree bit for bit.
+* :func:`fused_qk_rmsnorm_rope_gate`: the eager counterpart of vLLM's Triton
+  ``vllm.model_executor.layers.fused_qk_norm_rope.fused_qk_rmsnorm_rope_gate``
+  (same parameters, checks and results): the normalised head is rounded to the
+  activation dtype, then rotated in float32 and rounded again.  Drama 3's
+  codebook tower calls it directly, on every platform.
+* :func:`qk_norm_rope_gate`: the eager branch of vLLM's
+  ``Qwen3NextAttention._project_qkv_gate`` (split, ``GemmaRMSNorm`` native
+  forward, then RoPE in the activation dtype), bit for bit; the reference the
+  qwen3next-eager-attention tests compare the patched layer with.
+
+The two differ by the rotation's precision (up to an ulp of the activation
+dtype); neither is a stand-in for the other.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 from .norms import gemma_rms_norm
 from .rope import apply_rope
 
-__all__ = ["qk_norm_rope_gate"]
+__all__ = ["fused_qk_rmsnorm_rope_gate", "qk_norm_rope_gate"]
 
 
 def qk_norm_rope_gate(
@@ -68,3 +74,109 @@ def qk_norm_rope_gate(
     k = gemma_rms_norm(k.view(num_tokens, num_kv_heads, head_dim), k_weight, eps)
     q, k = apply_rope(positions, q, k, cos_sin_cache, head_dim, rotary_dim, is_neox_style)
     return q.view(num_tokens, q_size), k.reshape(num_tokens, kv_size), v, gate
+
+
+def fused_qk_rmsnorm_rope_gate(
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    mrope_section: list[int] | tuple[int, int, int] | None = None,
+    norm_beta: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split ``[q | gate]`` heads, RMS-normalise q and k per head, rotate, copy the gate.
+
+    ``q_gate`` ``[T, num_q_heads * 2 * head_dim]`` (per head ``[q | gate]``) and
+    ``k`` ``[T, num_kv_heads * head_dim]``, both float16 or both bfloat16;
+    ``q_weight``/``k_weight`` ``[head_dim]``, applied as ``weight + norm_beta``;
+    ``cos_sin_cache`` ``[max_pos, >= rotary_dim]`` holding ``[cos | sin]``;
+    ``positions`` ``[T]``, or ``[3, T]`` with ``mrope_section`` (T/H/W counts
+    summing to ``rotary_dim // 2``; rotary pair ``i`` takes the H position when
+    ``i % 3 == 1 and i < 3 * h``, the W position when ``i % 3 == 2 and
+    i < 3 * w``, else T).  NeoX halves over the first ``rotary_dim`` channels;
+    the rest is normalised only.
+
+    Returns new contiguous ``(q, k, gate)``: ``[T, heads * head_dim]`` in the
+    input dtype; ``gate`` is the raw (pre-sigmoid) gate.  Invalid arguments
+    raise ``ValueError`` under the same conditions as vLLM's kernel.
+    """
+    _check_fused_args(q_gate, k, q_weight, k_weight, cos_sin_cache, positions, rotary_dim, head_dim, mrope_section)
+    tokens, dtype = q_gate.shape[0], q_gate.dtype
+    q_out = torch.empty((tokens, num_q_heads * head_dim), dtype=dtype, device=q_gate.device)
+    if tokens == 0:
+        return q_out, torch.empty((0, num_kv_heads * head_dim), dtype=dtype, device=k.device), torch.empty_like(q_out)
+    heads = q_gate.reshape(tokens, num_q_heads, 2, head_dim)
+    cos, sin = _cos_sin(cos_sin_cache, positions, rotary_dim, mrope_section)
+    q_out.view(tokens, num_q_heads, head_dim).copy_(
+        _norm_rotate(heads[:, :, 0], q_weight, cos, sin, eps, norm_beta, rotary_dim)
+    )
+    k_out = _norm_rotate(
+        k.reshape(tokens, num_kv_heads, head_dim), k_weight, cos, sin, eps, norm_beta, rotary_dim
+    ).view(tokens, num_kv_heads * head_dim)
+    gate_out = torch.empty_like(q_out)
+    gate_out.view(tokens, num_q_heads, head_dim).copy_(heads[:, :, 1])
+    return q_out, k_out, gate_out
+
+
+def _check_fused_args(q_gate, k, q_weight, k_weight, cache, positions, rotary_dim, head_dim, mrope_section):
+    # The fused kernel's own argument checks, so both paths refuse the same calls.
+    if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even, positive and at most head_dim={head_dim}")
+    if q_gate.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q_gate.dtype:
+        raise ValueError(f"q_gate and k need one float16/bfloat16 dtype, got {q_gate.dtype} and {k.dtype}")
+    for name, tensor in (("q_gate", q_gate), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight),
+                         ("cos_sin_cache", cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    if positions.ndim not in (1, 2):
+        raise ValueError(f"positions must have 1 or 2 dimensions, got shape {tuple(positions.shape)}")
+    if positions.shape[-1] != q_gate.shape[0]:
+        raise ValueError(f"{positions.shape[-1]} positions for {q_gate.shape[0]} tokens")
+    if positions.ndim == 1:
+        if mrope_section is not None:
+            raise ValueError("mrope_section needs [3, T] positions")
+        return
+    if positions.shape[0] != 3:
+        raise ValueError(f"multimodal positions must be [3, T], got {tuple(positions.shape)}")
+    if mrope_section is None or len(mrope_section) != 3:
+        raise ValueError("multimodal positions need mrope_section with the T/H/W counts")
+    if sum(mrope_section) != rotary_dim // 2:
+        raise ValueError(f"mrope_section {list(mrope_section)} must sum to rotary_dim // 2 = {rotary_dim // 2}")
+
+
+def _cos_sin(cache: torch.Tensor, positions: torch.Tensor, rotary_dim: int, mrope_section):
+    """float32 ``cos``/``sin`` ``[T, 1, rotary_dim // 2]`` for each token (and rotary pair)."""
+    half = rotary_dim // 2
+    if positions.ndim == 1:
+        rows = cache.index_select(0, positions.to(torch.int64))
+        cos, sin = rows[:, :half], rows[:, half:rotary_dim]
+    else:
+        pair = torch.arange(half, device=positions.device)
+        use_h = (pair % 3 == 1) & (pair < 3 * mrope_section[1])
+        use_w = (pair % 3 == 2) & (pair < 3 * mrope_section[2])
+        pos = positions.to(torch.int64).unsqueeze(-1)  # [3, T, 1]
+        pos = torch.where(use_h, pos[1], torch.where(use_w, pos[2], pos[0]))  # [T, half]
+        cos, sin = cache[pos, pair], cache[pos, pair + half]
+    return cos.to(torch.float32).unsqueeze(1), sin.to(torch.float32).unsqueeze(1)
+
+
+def _norm_rotate(x, weight, cos, sin, eps, norm_beta, rotary_dim):
+    """``[T, H, D]`` heads: RMS norm rounded to ``x.dtype``, then float32 NeoX rotation rounded again."""
+    half = rotary_dim // 2
+    x32 = x.to(torch.float32)
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    normed = (x32 * inv_rms).mul_(weight.to(torch.float32) + norm_beta).to(x.dtype)
+    out = torch.empty(normed.shape, dtype=x.dtype, device=x.device)
+    out[..., rotary_dim:] = normed[..., rotary_dim:]
+    x1 = normed[..., :half].to(torch.float32)
+    x2 = normed[..., half:rotary_dim].to(torch.float32)
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:rotary_dim] = x2 * cos + x1 * sin
+    return out
