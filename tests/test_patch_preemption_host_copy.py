@@ -1,231 +1,454 @@
-"""preemption-host-copy on the port's FishOmniModelState replica, with the simulated npu device."""
+"""preemption-host-copy on the published ``FishOmniModelState`` (vllm-omni 0.32.0rc1), simulated npu.
+
+Each test that builds the state runs in a fresh interpreter, set up as an Ascend worker would be
+as far as the model state can tell:
+
+* vLLM's platform is an out-of-tree ``npu`` platform without pinned memory (``is_uva_available()``
+  is False, so the state's ``UvaBufferPool``s take vLLM's staged ``NonUvaBuffer`` fallback on
+  ``current_platform.device_type``); vllm-omni resolves its own platform before ``torch.npu``
+  exists, so it stays unspecified instead of importing vllm-ascend (not installed here);
+* ``support.fake_npu``: tensors on ``npu`` that refuse to mix with host tensors;
+* a real ``VllmConfig`` / ``ModelConfig`` built from a tiny ``FishOmniConfig`` (the published HF
+  config class) whose architecture is :class:`SlotPoolModel`, registered with vLLM's registry.
+  The published ``FishOmniForConditionalGeneration`` cannot be built here (a Qwen3.5 MoE
+  backbone; its module does not even import without torchvision), so :class:`SlotPoolModel`
+  holds exactly what the state reads from the model: the slot pools of ``FishOmniBuffers``
+  (same names, shapes and dtypes), ``frame_width``, ``max_top_k``, ``build_frames``, and writes
+  a sampled frame into its slot the way the model's forward does.
+
+The state itself is the real class, built by its real ``__init__`` (vLLM's ``MambaHybridModelState``
+and vllm-omni's ``OmniModelState`` / ``EagerMTPState`` / ``OmniIntermediateBuffer`` included), and
+driven the way vllm-omni's MRv2 runner drives it: ``on_request_preempted`` then
+``remove_request``, another request in the freed slot, then ``add_request`` of the resumed request
+(its generated main tokens appended to ``prefill_token_ids``) in another slot.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from drama3_patches.patches import preemption_host_copy as php
 from drama3_patches.patchlib import NotNeeded, PatchContext
 from support import fake_npu
+from support.replicas import installed
 
-PROFILE = Path(__file__).resolve().parent / "replicas" / "omni_032"
-MODULE = "vllm_omni.worker_v2.model_states.fish_omni_model_state"
+needs_fish_omni = pytest.mark.skipif(
+    not (installed("vllm-omni") or "").startswith("0.32."),
+    reason="fish_omni (Drama 3) is published in vllm-omni 0.32.0rc1 only",
+)
+
+MODULE = "vllm_omni.model_executor.models.fish_omni.model_state"
 TARGET = f"{MODULE}:FishOmniModelState.on_request_preempted"
-CODEBOOKS, SLOTS, MAX_FRAMES = 10, 4, 32
+ARCH = "Drama3SlotPoolModel"
+SLOTS, MAX_LEN, CODEBOOKS = 4, 48, 10
+A_PROMPT, B_PROMPT = list(range(100, 105)), list(range(200, 204))
 
 
-def _load_replica():
-    """The replica module under a private name: no sys.path or sys.modules change."""
-    path = PROFILE / (MODULE.replace(".", "/") + ".py")
-    spec = importlib.util.spec_from_file_location("_fish_omni_model_state_replica", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+class SlotPoolModel(torch.nn.Module):
+    """The part of ``FishOmniForConditionalGeneration`` that ``FishOmniModelState`` reads."""
+
+    have_multimodal_outputs = True  # as the published model: the Omni lifecycle applies
+
+    def __init__(self, vllm_config, device, prompts: dict, stream_decoder=None) -> None:
+        super().__init__()
+        from vllm_omni.model_executor.models.fish_omni.sampling import EMPTY_RAS_SLOT, RAS_WINDOW_FRAMES
+
+        codebooks = vllm_config.model_config.hf_config.audio_decoder_config.num_codebooks
+        seqs = vllm_config.scheduler_config.max_num_seqs
+        long = dict(dtype=torch.int64, device=device)
+        self.frame_width = 1 + codebooks
+        self.max_top_k = 64
+        # FishOmniBuffers' slot pools (the last slot absorbs padding rows).
+        self.buffers = SimpleNamespace(
+            max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            dummy_slot=seqs,
+            slot_ras=torch.full((seqs + 1, RAS_WINDOW_FRAMES), EMPTY_RAS_SLOT, **long),
+            slot_temperature=torch.ones(seqs + 1, dtype=torch.float32, device=device),
+            slot_top_k=torch.ones(seqs + 1, **long),
+            slot_top_p=torch.ones(seqs + 1, dtype=torch.float32, device=device),
+            slot_history=torch.zeros((seqs + 1, vllm_config.model_config.max_model_len, codebooks),
+                                     dtype=torch.int16, device=device),
+            slot_generated=torch.zeros(seqs + 1, **long),
+        )
+        self.prompts = prompts
+        if stream_decoder is not None:
+            self.stream_decoder = stream_decoder
+
+    def build_frames(self, info, device):
+        return self.prompts[info["req_id"]].clone()  # CPU int64 [prompt_len, frame_width]
+
+    def sample(self, slot: int, frame: torch.Tensor) -> None:
+        """One sampled frame of the request in ``slot``, written as the forward writes it."""
+        history, generated = self.buffers.slot_history, self.buffers.slot_generated
+        slots = torch.tensor([slot], device=history.device)
+        count = generated[slots]
+        index = count.clamp(max=history.shape[1] - 1)
+        history[slots, index] = frame[1:].to(torch.int16).to(history.device).unsqueeze(0)
+        generated[slots] = count + 1
+
+
+class StreamDecoderDouble:
+    """A streaming codec with per-slot state, for the parent chain's own park (EagerMTPState).
+
+    ``save_slot`` returns device clones: whatever the parent chain parks must come back as it
+    made it, on the device or not.
+    """
+
+    def __init__(self, device) -> None:
+        self.state = torch.zeros((SLOTS, 6), dtype=torch.float32, device=device)
+        self.saved: list[torch.Tensor] | None = None
+
+    def save_slot(self, slot: int) -> list[torch.Tensor]:
+        self.saved = [self.state[slot].clone()]
+        return self.saved
+
+    def restore_slot(self, slot: int, state: list[torch.Tensor]) -> None:
+        self.state[slot].copy_(state[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Fresh-process set-up
+# ----------------------------------------------------------------------------------------------
+
+
+def _boot() -> None:
+    """vLLM on an npu platform without pinned memory, vllm-omni imported, then the simulated device."""
+    import vllm.platforms as vp
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class SimulatedNpuPlatform(Platform):
+        _enum = PlatformEnum.OOT
+        device_name = "npu"
+        device_type = "npu"
+        dispatch_key = "PrivateUse1"
+
+        @classmethod
+        def is_pin_memory_available(cls) -> bool:
+            return False
+
+    vp._current_platform = SimulatedNpuPlatform()
+    import vllm_omni  # noqa: F401  (resolves its platform while torch.npu does not exist yet)
+
+    fake_npu.enable()
+
+
+def _vllm_config(tmp_path):
+    from vllm import ModelRegistry
+    from vllm.config import DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm_omni.model_executor.models.fish_omni.configuration_fish_omni import FishOmniConfig
+
+    ModelRegistry.register_model(ARCH, SlotPoolModel)
+    hf = FishOmniConfig(
+        text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, vocab_size=512),
+        audio_decoder_config=dict(num_codebooks=CODEBOOKS),
+    )
+    hf.architectures = [ARCH]
+    hf.save_pretrained(tmp_path)
+    model_config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_LEN)
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(max_num_seqs=SLOTS, max_num_batched_tokens=64, max_model_len=MAX_LEN,
+                                         is_encoder_decoder=False),
+        device_config=DeviceConfig(device="npu"),
+    )
+
+
+def _prompt_rows(ids: list[int], seed: int) -> torch.Tensor:
+    rows = torch.zeros((len(ids), 1 + CODEBOOKS), dtype=torch.int64)
+    rows[:, 0] = torch.tensor(ids)
+    rows[:, 1:] = torch.randint(0, 4096, (len(ids), CODEBOOKS), generator=torch.Generator().manual_seed(seed))
+    return rows
+
+
+def _build(vllm_config, device: str, decoder=None):
+    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
+
+    prompts = {"A": _prompt_rows(A_PROMPT, 1), "B": _prompt_rows(B_PROMPT, 2), "C": _prompt_rows(B_PROMPT, 3)}
+    model = SlotPoolModel(vllm_config, torch.device(device), prompts, decoder)
+    return FishOmniModelState(vllm_config, model, None, torch.device(device)), model
+
+
+def _request(req_id: str, prompt: list[int], generated: list[int] = ()):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData
+
+    return NewRequestData(
+        req_id=req_id, prompt_token_ids=list(prompt), mm_features=[],
+        sampling_params=SamplingParams(temperature=0.8, top_k=30, top_p=0.9), pooling_params=None,
+        block_ids=([],), num_computed_tokens=0, lora_request=None, prefill_token_ids=list(prompt) + list(generated),
+    )
 
 
 def _frames(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 4096, (n, CODEBOOKS), dtype=torch.int64, generator=g)
+    frames = torch.randint(0, 4096, (n, 1 + CODEBOOKS), dtype=torch.int64, generator=g)
+    frames[:, 0] += 300  # main tokens (semantic band)
+    return frames
 
 
-def _generate(state, slot: int, steps: int, seed: int) -> torch.Tensor:
-    """Decode ``steps`` steps of 1-3 frames into ``slot``; returns every frame written (host)."""
-    written = []
-    for step in range(steps):
-        frames = _frames(1 + (seed + step) % 3, seed * 100 + step)
-        state.append_frames(slot, frames.to(state.device))
-        written.append(frames)
-    return torch.cat(written)
+def _generate(state, model, slot: int, frames: torch.Tensor) -> None:
+    for frame in frames:
+        model.sample(slot, frame)
 
 
-def _scenario(state_cls, device: str):
-    """Generate, preempt, reuse the old slot for another request, resume elsewhere, finish."""
-    state = state_cls(SLOTS, MAX_FRAMES, CODEBOOKS, device=device)
-    state.add_request(1, SimpleNamespace(req_id="A"))
-    saved = _generate(state, 1, steps=6, seed=3)
-    state.on_request_preempted("A", 1)
-    parked = state._suspended["A"]
-    refs = [weakref.ref(parked["history"]), weakref.ref(parked["count"])]
-    parked = None
-    state.remove_request(1)  # the runner frees the slot ...
-    state.add_request(1, SimpleNamespace(req_id="B"))  # ... and the scheduler reuses it
-    other = _generate(state, 1, steps=9, seed=8)
-    state.add_request(3, SimpleNamespace(req_id="A"))  # resume in a different slot
-    return state, saved, other, refs
+def _admit(state, slot: int, req) -> None:
+    state.add_request(slot, req)
+    state._flush_slot_writes()  # the next step's preprocess uploads the slot writes
 
 
-def test_cpu_state_parks_independent_snapshots_unpatched_and_patched():
-    mod = _load_replica()
-    patched = php.build(mod.FishOmniModelState.on_request_preempted)
-    for method in (mod.FishOmniModelState.on_request_preempted, patched):
-        state = mod.FishOmniModelState(SLOTS, MAX_FRAMES, CODEBOOKS)
-        state.add_request(0, SimpleNamespace(req_id="A"))
-        saved = _generate(state, 0, steps=4, seed=1)
-        method(state, "A", 0)
-        state.history[0].fill_(-7)  # the slot is reused: the snapshot must not follow
-        state.history_count[0].fill_(99)
-        parked = state._suspended["A"]
-        assert parked["history"].device.type == "cpu"
-        assert int(parked["count"]) == saved.shape[0]
-        assert torch.equal(parked["history"][: saved.shape[0]], saved)
+def _preempt(state, req_id: str, slot: int) -> None:
+    """What vllm-omni's MRv2 runner does for a preempted request."""
+    state.on_request_preempted(req_id, slot)
+    state.remove_request(slot)
 
 
-def test_clone_redirect_leaves_cpu_meta_and_cuda_tensors_alone():
-    cpu = torch.arange(4)
-    meta = torch.empty(4, device="meta")
-    assert not php.needs_host_copy(cpu) and not php.needs_host_copy(meta) and not php.needs_host_copy(3)
-    calls = []
-
-    class CudaLike(torch.Tensor):
-        """Reports a CUDA device; records what reaches the dispatcher."""
-
-        @staticmethod
-        def __new__(cls, data):
-            r = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=torch.device("cuda", 0))
-            r.data_ = data
-            return r
-
-        __torch_function__ = torch._C._disabled_torch_function_impl
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            calls.append(func)
-            return CudaLike(args[0].data_.clone())
-
-    t = CudaLike(torch.arange(3))
-    assert t.is_cuda and not php.needs_host_copy(t)
-    with php.HostCopyClones() as mode:
-        out = t.clone()
-        also = cpu.clone()
-    assert isinstance(out, CudaLike) and out.device.type == "cuda"  # the CUDA path: a plain clone
-    assert calls == [torch.ops.aten.clone.default] and mode.host_copies == 0
-    assert also.device.type == "cpu" and also.data_ptr() != cpu.data_ptr()
+def _scenario(state, model):
+    """A generates in slot 1 and is preempted; B reuses slot 1; A resumes in slot 3."""
+    _admit(state, 1, _request("A", A_PROMPT))
+    a_frames = _frames(6, seed=3)
+    _generate(state, model, 1, a_frames)
+    _preempt(state, "A", 1)
+    _admit(state, 1, _request("B", B_PROMPT))
+    b_frames = _frames(9, seed=8)
+    _generate(state, model, 1, b_frames)
+    _admit(state, 3, _request("A", A_PROMPT, a_frames[:, 0].tolist()))
+    return a_frames, b_frames
 
 
-def test_plan_wraps_once_and_detects_an_upstream_fix():
-    mod = _load_replica()
-
-    def resolve(target):
-        return mod.FishOmniModelState.__dict__["on_request_preempted"]
-
-    ctx = PatchContext("preemption-host-copy", (TARGET,), "npu", {}, php.logger, _resolve=resolve)
-    out = php.plan(ctx)
-    new = out[TARGET]
-    assert new.__wrapped__ is mod.FishOmniModelState.on_request_preempted
-    assert new.__qualname__ == "FishOmniModelState.on_request_preempted"
-
-    class Fixed:
-        def on_request_preempted(self, req_id, req_index):
-            self.parked = self.history[req_index].to("cpu", non_blocking=False, copy=True)
-
-    ctx = PatchContext("preemption-host-copy", (TARGET,), "npu", {}, php.logger,
-                       _resolve=lambda t: Fixed.__dict__["on_request_preempted"])
-    with pytest.raises(NotNeeded, match="no clone"):
-        php.plan(ctx)
+def _check_resumed(state, model, a_frames, b_frames) -> None:
+    n, p = a_frames.shape[0], len(A_PROMPT)
+    # The resumed prompt: A's own rows, then its generated frames (main tokens + parked codes).
+    assert state.prompt_len[3] == p + n and state.base_prompt_len[3] == p
+    assert np.array_equal(state.prompts[3][:p], model.prompts["A"].numpy())
+    assert np.array_equal(state.prompts[3][p:], a_frames.numpy())
+    history, generated = model.buffers.slot_history.cpu(), model.buffers.slot_generated.cpu()
+    # On the device: slot 3 holds A's codes bit for bit and counts on from them; B is intact in 1.
+    assert int(generated[3]) == n and torch.equal(history[3, :n], a_frames[:, 1:].to(torch.int16))
+    assert int(generated[1]) == b_frames.shape[0]
+    assert torch.equal(history[1, : b_frames.shape[0]], b_frames[:, 1:].to(torch.int16))
+    more = _frames(2, seed=11)
+    _generate(state, model, 3, more)
+    history = model.buffers.slot_history.cpu()
+    assert torch.equal(history[3, : n + 2], torch.cat((a_frames, more))[:, 1:].to(torch.int16))
+    assert "A" not in state._suspended
 
 
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@needs_fish_omni
 @fake_npu.in_fresh_process
-def test_unpatched_port_fails_at_resume_on_npu():
-    """The original bug: the clone() stays on the device; resume concatenates it with host tensors."""
-    fake_npu.enable()
-    mod = _load_replica()
-    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
-        _scenario(mod.FishOmniModelState, "npu")
+def test_resume_after_preemption_fails_unpatched_and_is_bit_exact_patched(tmp_path, monkeypatch):
+    _boot()
+    vllm_config = _vllm_config(tmp_path)
 
+    # The published method on the simulated npu: the park stays on the device, resume fails.
+    state, model = _build(vllm_config, "npu")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as failure:
+        _scenario(state, model)
+    print(f"unpatched: {failure.value}")
 
-def _check_resumed(state, saved, other, refs):
-    n = saved.shape[0]
-    history = state.history.cpu()
-    counts = state.history_count.cpu()
-    assert int(counts[3]) == n and torch.equal(history[3, :n], saved)  # every code, bit for bit
-    assert torch.count_nonzero(history[3, n:]) == 0
-    assert int(counts[1]) == other.shape[0] and torch.equal(history[1, : other.shape[0]], other)
-    assert "A" not in state._suspended and all(r() is None for r in refs)  # resume consumed the park
-    state.remove_request("A")  # completion
-    assert state._suspended == {} and "A" not in state.req_id_to_index
-
-
-@fake_npu.in_fresh_process
-def test_patched_by_the_engine_parks_on_host_and_resumes_bit_exact(monkeypatch):
-    fake_npu.enable()
     monkeypatch.setenv("DRAMA3_PATCHES", "1")
     monkeypatch.setenv("DRAMA3_PATCHES_PLATFORM", "npu")
     monkeypatch.setenv("DRAMA3_PATCHES_STRICT", "1")
-    sys.path.insert(0, str(PROFILE))  # fresh process: nothing to undo
     import drama3_patches
+    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
 
     drama3_patches.apply(["preemption-host-copy"])
-    from vllm_omni.worker_v2.model_states.fish_omni_model_state import FishOmniModelState
-
     row = {p["id"]: p for p in drama3_patches.status()["patches"]}["preemption-host-copy"]
     assert row["state"] == "applied", row
     assert FishOmniModelState.on_request_preempted.__wrapped__ is drama3_patches.get_original(TARGET)
 
+    state, model = _build(vllm_config, "npu")
+    _admit(state, 1, _request("A", A_PROMPT))
+    a_frames = _frames(6, seed=3)
+    _generate(state, model, 1, a_frames)
     with fake_npu.record_transfers() as log:
-        state = FishOmniModelState(SLOTS, MAX_FRAMES, CODEBOOKS, device="npu")
-        state.add_request(1, SimpleNamespace(req_id="A"))
-        saved = _generate(state, 1, steps=6, seed=3)
-        del log[:]
         state.on_request_preempted("A", 1)
-        park_copies = list(log)
     # history and count left the device with blocking copies, before the method returned
-    assert [(t.direction, t.non_blocking) for t in park_copies] == [("d2h", False), ("d2h", False)]
+    assert list(log) == [("d2h", False), ("d2h", False)]
     parked = state._suspended["A"]
-    assert not fake_npu.is_fake_npu(parked["history"]) and parked["history"].device.type == "cpu"
-    assert not fake_npu.is_fake_npu(parked["count"]) and int(parked["count"]) == saved.shape[0]
+    assert parked.event is None
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in (parked.history, parked.count))
+    assert int(parked.count) == 6 and torch.equal(parked.history[:6], a_frames[:, 1:].to(torch.int16))
+    refs = [weakref.ref(parked.history), weakref.ref(parked.count)]
     parked = None
+    state.remove_request(1)
+    _admit(state, 1, _request("B", B_PROMPT))
+    b_frames = _frames(9, seed=8)
+    _generate(state, model, 1, b_frames)
+    _admit(state, 3, _request("A", A_PROMPT, a_frames[:, 0].tolist()))
+    _check_resumed(state, model, a_frames, b_frames)
+    print(f"patched: resumed A in slot 3 with {int(model.buffers.slot_generated.cpu()[3])} frames, "
+          f"codes equal: {torch.equal(torch.from_numpy(state.prompts[3][len(A_PROMPT):]), a_frames)}")
 
-    state, saved, other, refs = _scenario(FishOmniModelState, "npu")
-    _check_resumed(state, saved, other, refs)
-
-    # A request finished while parked drops its host copy too.
-    state.add_request(2, SimpleNamespace(req_id="C"))
-    _generate(state, 2, steps=2, seed=5)
+    # The resume consumed the park; a request finished while parked drops its host copy.
+    state.on_requests_finished({"A"})
+    state.remove_request(3)
+    assert all(r() is None for r in refs)
+    _admit(state, 2, _request("C", B_PROMPT))
+    _generate(state, model, 2, _frames(2, seed=5))
     state.on_request_preempted("C", 2)
-    ref = weakref.ref(state._suspended["C"]["history"])
-    state.remove_request("C")
+    ref = weakref.ref(state._suspended["C"].history)
+    state.on_requests_finished({"C"})
     assert "C" not in state._suspended and ref() is None
 
+    # A CPU run keeps its independent snapshots: no transfer, no shared storage.
+    cpu_state, cpu_model = _build(vllm_config, "cpu")
+    _admit(cpu_state, 0, _request("A", A_PROMPT))
+    _generate(cpu_state, cpu_model, 0, a_frames)
+    with fake_npu.record_transfers() as log:
+        cpu_state.on_request_preempted("A", 0)
+    parked = cpu_state._suspended["A"]
+    assert log == []
+    assert parked.history.data_ptr() != cpu_model.buffers.slot_history[0].data_ptr()
+    cpu_model.buffers.slot_history[0].fill_(-7)
+    cpu_model.buffers.slot_generated[0] = 99
+    assert int(parked.count) == 6 and torch.equal(parked.history[:6], a_frames[:, 1:].to(torch.int16))
+
     drama3_patches.unapply(["preemption-host-copy"])
-    assert not hasattr(FishOmniModelState.on_request_preempted, "__wrapped__")
+    assert "__wrapped__" not in vars(FishOmniModelState.on_request_preempted)
     with pytest.raises(RuntimeError, match="same device"):
-        _scenario(FishOmniModelState, "npu")
+        _scenario(*_build(vllm_config, "npu"))
 
 
+@pytest.mark.vllm
+@needs_fish_omni
 @fake_npu.in_fresh_process
-def test_patched_method_on_npu_without_the_engine():
-    # The same guarantees from the replacement alone (what plan() returns), on a second layout.
-    fake_npu.enable()
-    mod = _load_replica()
+def test_the_parent_chains_own_park_resumes_as_upstream_keeps_it(tmp_path):
+    """OmniModelState -> EagerMTPState.suspend_audio parks a stream decoder's slot state (Drama 3's
+    model has no stream decoder, other Omni models do): the patch must not touch it."""
+    _boot()
+    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
+    from vllm_omni.worker_v2.model_states.eager_mtp import TalkerInputs
 
-    class Patched(mod.FishOmniModelState):
-        pass
+    FishOmniModelState.on_request_preempted = php.build(FishOmniModelState.on_request_preempted)
+    decoder = StreamDecoderDouble("npu")
+    state, model = _build(_vllm_config(tmp_path), "npu", decoder)
+    eager = state._eager_state
+    eager.embeds = torch.zeros((SLOTS, 8), device="npu")
+    # On an Ascend host the side stream is an NPU stream; the simulated one stands in for it.
+    eager._side_stream = torch.npu.Stream()
 
-    Patched.on_request_preempted = php.build(mod.FishOmniModelState.on_request_preempted)
-    state, saved, other, refs = _scenario(Patched, "npu")
-    _check_resumed(state, saved, other, refs)
+    _admit(state, 1, _request("A", A_PROMPT))
+    a_frames = _frames(4, seed=3)
+    _generate(state, model, 1, a_frames)
+    decoder.state[1] = torch.arange(6, dtype=torch.float32).to("npu")
+    eager.embeds[1] = torch.full((8,), 0.5).to("npu")
+    eager.stream_pos["A"] = 4
+    # (host embeds: the simulated device's wrapper tensors have no data pointer to record)
+    eager._talker_inputs["A"] = TalkerInputs(embeds=torch.ones((5, 8)), length=4)
+
+    _preempt(state, "A", 1)
+    audio = eager._suspended_audio["A"]
+    # Exactly what the decoder saved, where it saved it: not moved by this patch.
+    assert audio.decoder_state is decoder.saved and fake_npu.is_fake_npu(audio.decoder_state[0])
+    assert state._suspended["A"].history.device.type == "cpu"  # this patch's own state did move
+
+    _admit(state, 1, _request("B", B_PROMPT))
+    decoder.state[1] = torch.full((6,), -1.0).to("npu")
+    eager.embeds[1] = torch.zeros(8).to("npu")
+    _generate(state, model, 1, _frames(5, seed=8))
+
+    _admit(state, 3, _request("A", A_PROMPT, a_frames[:, 0].tolist()))
+    assert eager.stream_pos["A"] == 4 and eager.ready[3] == "A"
+    assert torch.equal(eager.embeds[3].cpu(), torch.full((8,), 0.5))
+    saved = eager._restore_audio.pop("A")
+    assert saved is audio.decoder_state
+    decoder.restore_slot(3, saved)  # the runner's replay of the resumed request
+    assert torch.equal(decoder.state[3].cpu(), torch.arange(6, dtype=torch.float32))
+    assert torch.equal(torch.from_numpy(state.prompts[3][len(A_PROMPT):]), a_frames)
 
 
+@pytest.mark.vllm
+@needs_fish_omni
+@pytest.mark.forked
+def test_plan_detects_where_the_method_parks():
+    from vllm_omni.model_executor.models.fish_omni import model_state as ms
+
+    published = ms.FishOmniModelState.__dict__["on_request_preempted"]
+
+    def ctx_for(method):
+        return PatchContext("preemption-host-copy", (TARGET,), "npu", {}, php.logger, _resolve=lambda t: method)
+
+    assert php.parks_off_host(published) is True
+    new = php.plan(ctx_for(published))[TARGET]
+    assert new.__wrapped__ is published and new.__qualname__ == published.__qualname__
+    import inspect
+
+    assert inspect.signature(new) == inspect.signature(published)
+
+    class ParksOnHost(ms.FishOmniModelState):
+        def on_request_preempted(self, req_id, req_index):
+            super().on_request_preempted(req_id, req_index)
+            history = self.buffers.slot_history[req_index]
+            count = self.buffers.slot_generated[req_index : req_index + 1]
+            if history.is_cuda:
+                raise AssertionError("not probed on CUDA")
+            self._suspended[req_id] = ms._SuspendedRequest(history.to("cpu", copy=True), count.to("cpu", copy=True), None)
+
+    class ParksNothing(ms.FishOmniModelState):
+        def on_request_preempted(self, req_id, req_index):
+            super().on_request_preempted(req_id, req_index)
+
+    with pytest.raises(NotNeeded, match="already copies the parked history and count to the host"):
+        php.plan(ctx_for(ParksOnHost.__dict__["on_request_preempted"]))
+    with pytest.raises(RuntimeError, match="parks no history/count"):
+        php.plan(ctx_for(ParksNothing.__dict__["on_request_preempted"]))
+
+
+class _CudaLike(torch.Tensor):
+    """Reports a CUDA device (no CUDA here): what the published CUDA branch would park."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=torch.device("cuda", 0))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"a CUDA park must not be touched ({func})")
+
+
+def test_park_on_host_leaves_cuda_parks_and_host_tensors_alone():
+    cpu = torch.arange(4)
+    meta = torch.empty(4, device="meta")
+    cuda = _CudaLike(torch.arange(4))
+    assert cuda.is_cuda and not php.needs_host_copy(cuda)
+    assert not php.needs_host_copy(cpu) and not php.needs_host_copy(meta) and not php.needs_host_copy(3)
+    event = object()
+    cuda_park = SimpleNamespace(history=cuda, count=cuda, event=event)  # the CUDA branch's record
+    host_park = SimpleNamespace(history=cpu, count=cpu[:1], event=None)
+    state = SimpleNamespace(_suspended={"cuda": cuda_park, "host": host_park})
+    assert php.park_on_host(state, "cuda") == 0 and cuda_park.history is cuda and cuda_park.event is event
+    assert php.park_on_host(state, "host") == 0 and host_park.history is cpu
+    assert php.park_on_host(state, "absent") == 0
+
+
+@pytest.mark.vllm
+@needs_fish_omni
 @pytest.mark.npu
-def test_on_a_real_npu_resume_after_preemption_is_bit_exact():
-    """Ascend host only: the same scenario on torch_npu tensors, with the patch applied."""
+def test_on_a_real_npu_resume_after_preemption_is_bit_exact(tmp_path):
+    """Ascend host only (vllm-ascend installed): the same scenario on torch_npu tensors."""
     import torch_npu  # noqa: F401
+    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
 
-    mod = _load_replica()
-
-    class Patched(mod.FishOmniModelState):
-        pass
-
-    Patched.on_request_preempted = php.build(mod.FishOmniModelState.on_request_preempted)
-    state, saved, other, refs = _scenario(Patched, "npu")
-    torch.npu.synchronize()
-    _check_resumed(state, saved, other, refs)
-    with pytest.raises(RuntimeError):
-        _scenario(mod.FishOmniModelState, "npu")
+    original = FishOmniModelState.on_request_preempted
+    try:
+        FishOmniModelState.on_request_preempted = php.build(original)
+        state, model = _build(_vllm_config(tmp_path), "npu")
+        a_frames, b_frames = _scenario(state, model)
+        torch.npu.synchronize()
+        _check_resumed(state, model, a_frames, b_frames)
+    finally:
+        FishOmniModelState.on_request_preempted = original

@@ -1,33 +1,41 @@
-"""preemption-host-copy: a preempted Drama 3 request parks its frame history on the host.
+"""preemption-host-copy: a preempted Drama 3 request parks its generated codes on the host.
 
-The Drama 3 model state parks a preempted request's frame ``history`` and ``count`` in
-``on_request_preempted(req_id, req_index)`` and restores them in ``add_request`` on resume,
-possibly into another slot.  On CUDA the park is a pinned host copy plus an event; on any other
-device it is a ``clone()``, which stays on the device, and the resume concatenates it with host
-tensors: a device-mismatch error on NPU (and device memory held for every parked request).
+vLLM-Omni 0.32's ``FishOmniModelState.on_request_preempted(req_id, req_index)`` first lets its
+parents suspend what they own (``OmniModelState`` -> ``EagerMTPState.suspend_audio``), then
+parks the slot's code ``history`` and its ``count`` in ``self._suspended[req_id]``;
+``add_request`` of the resumed request (possibly in another slot) reads them back and
+concatenates them with host tensors.  On CUDA the park is a pinned host copy plus an event.  Any
+other device takes the ``clone()`` branch, whose copy stays on the device: on NPU every resume
+fails with a device-mismatch ``RuntimeError`` (and each parked request holds device memory).
 
-The replacement runs the original method with ``clone()`` redirected for tensors that are
-neither CUDA nor CPU: they become blocking host copies
-(``.to("cpu", non_blocking=False, copy=True)``), complete before the method returns and so
-before the scheduler can hand the slot to another request.  CPU tensors are still cloned
-(independent snapshots) and the CUDA branch is not touched.  Redirecting the call rather than
-rewriting the method keeps the model's own bookkeeping (its parking dict and resume path)
-unchanged.
+The replacement runs the published method unchanged and then fixes exactly the state the bug is
+about: when the parked ``history`` / ``count`` sit on an accelerator that is neither CUDA nor the
+host, each is replaced by a blocking host copy (``.to("cpu", non_blocking=False, copy=True)``),
+finished before the method returns and so before the runner hands the slot to another request.
+What the parent chain parked is left exactly as upstream made it; host tensors (CPU runs) are
+already independent snapshots; a CUDA park (pinned copy + event) is never touched.
+
+Feature detection runs the method's own body -- its ``super()`` call pointed at a no-op parent --
+on ``meta`` tensors, which report neither CUDA nor the host: a park that stays on ``meta`` is
+the bug; an attempt to copy the data to the host (``meta`` refuses with "Cannot copy out of
+meta tensor") means the published method already parks on the host, so the patch is not
+needed.  Anything else (no park where this patch expects one) is drift and fails the patch.
 """
 
 from __future__ import annotations
 
 import inspect
+import types
+from types import SimpleNamespace
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from drama3_patches.logger import init_logger
 from drama3_patches.patchlib import NotNeeded, PatchContext, wrap
 
 logger = init_logger(__name__)
 
-_CLONES = {torch.Tensor.clone, torch.clone}
+PARKED = ("history", "count")
 
 
 def needs_host_copy(t: object) -> bool:
@@ -35,38 +43,86 @@ def needs_host_copy(t: object) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_cuda and t.device.type not in ("cpu", "cuda", "meta")
 
 
-class HostCopyClones(TorchFunctionMode):
-    """Inside this mode, ``clone()`` of a non-CUDA accelerator tensor is a blocking host copy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.host_copies = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _CLONES and args and needs_host_copy(args[0]):
-            memory_format = kwargs.get("memory_format", torch.preserve_format)
-            self.host_copies += 1
-            return args[0].to("cpu", non_blocking=False, copy=True, memory_format=memory_format)
-        return func(*args, **kwargs)
-
-
-def _parks_with_clone(method) -> bool | None:
-    """Does the method take a ``clone()`` (the port's non-CUDA branch)?  None: source unreadable."""
-    try:
-        source = inspect.getsource(method)
-    except (OSError, TypeError):
-        return None
-    return ".clone(" in source or "torch.clone(" in source
+def park_on_host(state, req_id) -> int:
+    """Move ``state._suspended[req_id]``'s history and count to the host; returns how many moved."""
+    parked = getattr(state, "_suspended", {}).get(req_id)
+    if parked is None or getattr(parked, "event", None) is not None:
+        return 0  # nothing parked (the request had no slot), or the CUDA branch's pinned copy
+    moved = 0
+    for name in PARKED:
+        tensor = getattr(parked, name)
+        if needs_host_copy(tensor):
+            # Blocking: the copy has landed before the scheduler can reuse the slot.
+            setattr(parked, name, tensor.to("cpu", non_blocking=False, copy=True))
+            moved += 1
+    return moved
 
 
 def build(original):
+    signature = inspect.signature(original)
+    # The request id is the parking key: the published parameter name, else the first after self.
+    key = "req_id" if "req_id" in signature.parameters else list(signature.parameters)[1]
+
     @wrap(original)
     def on_request_preempted(self, *args, **kwargs):
-        with HostCopyClones():
-            return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        park_on_host(self, signature.bind(self, *args, **kwargs).arguments[key])
+        return result
 
     return on_request_preempted
+
+
+# ----------------------------------------------------------------------------------------------
+# Feature detection
+# ----------------------------------------------------------------------------------------------
+
+
+class _QuietParent:
+    def on_request_preempted(self, *args, **kwargs):
+        return None
+
+
+class _Probe(_QuietParent):
+    """Stands in for the model state while the method's own body runs."""
+
+
+def _own_body(method):
+    """``method`` with its zero-argument ``super()`` resolving to :class:`_QuietParent`.
+
+    The parents' suspend logic is not what this patch is about (and needs a live runner); the
+    body's ``__class__`` cell is the only thing changed, the code object is the published one.
+    """
+    code = getattr(method, "__code__", None)
+    if code is None:
+        raise TypeError(f"{method!r} has no code object to probe")
+    cells = list(method.__closure__ or ())
+    if "__class__" in code.co_freevars:
+        cells[code.co_freevars.index("__class__")] = types.CellType(_Probe)
+    return types.FunctionType(code, method.__globals__, method.__name__, method.__defaults__, tuple(cells) or None)
+
+
+def parks_off_host(method) -> bool:
+    """Run the method body on ``meta`` slot buffers: True when its non-CUDA park stays on the device.
+
+    False when it copies the parked codes to the host.  Raises ``LookupError`` when the body
+    parks nothing under ``_suspended[req_id]`` with a history and a count (drift).
+    """
+    probe = _Probe()
+    probe.buffers = SimpleNamespace(
+        slot_history=torch.zeros((3, 4, 2), dtype=torch.int16, device="meta"),
+        slot_generated=torch.zeros(3, dtype=torch.int64, device="meta"),
+    )
+    probe._suspended = {}
+    try:
+        _own_body(method)(probe, "probe", 1)
+    except NotImplementedError as exc:
+        if "meta" in str(exc):  # it tried to bring the data to the host
+            return False
+        raise
+    parked = probe._suspended.get("probe")
+    if parked is None or not all(isinstance(getattr(parked, n, None), torch.Tensor) for n in PARKED):
+        raise LookupError(f"parks no history/count under _suspended[req_id] (got {parked!r})")
+    return any(getattr(parked, n).device.type == "meta" for n in PARKED)
 
 
 def plan(ctx: PatchContext) -> dict:
@@ -76,8 +132,13 @@ def plan(ctx: PatchContext) -> dict:
         if not callable(original):
             ctx.leave(target, f"{target} is {type(original).__name__}, not a method")
             continue
-        if _parks_with_clone(original) is False:
-            # Feature detection: without a clone() there is nothing left on the device.
-            raise NotNeeded(f"{target} takes no clone(): it already parks state without a device copy")
+        try:
+            off_host = parks_off_host(original)
+        except Exception as exc:
+            # The method no longer looks like the one this patch fixes: report it as a failure.
+            raise RuntimeError(f"{target}: cannot check where a preempted request is parked: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        if not off_host:
+            raise NotNeeded(f"{target} already copies the parked history and count to the host off CUDA")
         replacements[target] = build(original)
     return replacements
