@@ -47,6 +47,16 @@ from support.subproc import ROOT, run_python
 
 pytestmark = pytest.mark.vllm
 
+
+def _published_fish_omni() -> bool:
+    """vllm-omni's fish_omni kernels are on disk (0.32.0rc1 on): looked up without importing vllm-omni."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm_omni")
+    return bool(spec and spec.origin) and (Path(spec.origin).parent / "model_executor/models/fish_omni/kernels.py").is_file()
+
+
 CHILD = r'''
 import json, time
 from support import triton_interpret
@@ -255,6 +265,8 @@ print("RESULT" + json.dumps({"norms": results, "qk_errors": errors, "draws": dra
 
 @pytest.fixture(scope="module")
 def measured():
+    if not _published_fish_omni():
+        pytest.skip("this vllm-omni has no fish_omni (Drama 3 is published from 0.32.0rc1 on)")
     proc = run_python(CHILD, pythonpath=[ROOT / "tests"], timeout=900)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
