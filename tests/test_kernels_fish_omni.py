@@ -367,3 +367,29 @@ def test_report(measured, capsys):
         print(f"draw_top_k_top_p: {sum(d['same'] for d in measured['draws'])}/{len(measured['draws'])} cases "
               f"identical, {sum(d['rows'] for d in measured['draws'])} rows")
     assert rows
+
+
+def test_eager_kernels_leave_their_inputs_alone():
+    """float32 inputs are where ``.to(float32)`` aliases the caller's tensor: nothing may be written back."""
+    import torch
+
+    from drama3_patches.kernels import gating, norms, sampling
+    from drama3_patches.kernels.qk_norm_rope_gate import fused_qk_rmsnorm_rope_gate
+
+    g = torch.Generator().manual_seed(3)
+    x, r, gate, extra, table = (torch.randn(5, 16, generator=g) for _ in range(5))
+    w, code, mask = torch.randn(16, generator=g), torch.tensor([0, 3, 9, -1, 2]), torch.tensor([1.0, 0, 1, 1, 0.5])
+    logits, uniform = torch.randn(5, 40, generator=g), torch.rand(5, 8, generator=g)
+    per_row = dict(temperature=torch.ones(5), top_k=torch.full((5,), 8), top_p=torch.full((5,), 0.9))
+    q_gate, k = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(5, 16, generator=g).bfloat16()
+    cache, pos = torch.randn(10, 8, generator=g), torch.arange(5)
+    inputs = [x, r, gate, extra, table, w, code, mask, logits, uniform, q_gate, k, cache, pos, *per_row.values()]
+    before = [t.clone() for t in inputs]
+    norms.gemma_rms_norm(x, w, 1e-6)
+    norms.gemma_rms_norm(x, w, 1e-6, r)
+    norms.gemma_rms_norm_table(x, code, mask, table, w, 1e-6)
+    norms.tower_mix_norm(x, code, mask, table, extra, w, w, 1e-6)
+    gating.sigmoid_gate(x, gate)
+    sampling.draw_top_k_top_p(logits, *per_row.values(), uniform, 8)
+    fused_qk_rmsnorm_rope_gate(q_gate, k, w, w, cache, pos, 1e-6, 2, 1, 16, 8)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, before))

@@ -14,5 +14,6 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     element by element in memory order; here in logical order, the same for
     the contiguous tensors it is given).  A new tensor shaped like ``x``.
     """
-    g32 = gate.reshape(x.shape).to(torch.float32)
-    return torch.sigmoid(g32).mul_(x.to(torch.float32)).to(x.dtype)
+    # One float32 buffer of our own; mul_ promotes x's elements to float32 on the fly.
+    out = gate.reshape(x.shape).to(torch.float32, copy=True)
+    return out.sigmoid_().mul_(x).to(x.dtype)

@@ -92,11 +92,11 @@ def tower_mix_norm(
     """
     rows, dim = hidden.shape
     dtype = hidden.dtype
-    emb = _code_rows(code, code_mask, table)
+    emb = _code_rows(code, code_mask, table).to(dtype)
     if extra is not None:
-        emb = emb.to(dtype).to(torch.float32) + extra.to(torch.float32)
-    emb = emb.to(dtype).to(torch.float32)
+        # in-place float32 add: extra's elements are promoted on the fly, no extra buffer
+        emb = emb.to(torch.float32).add_(extra).to(dtype)
     out = torch.empty((rows, 2 * dim), dtype=dtype, device=hidden.device)
-    out[:, :dim] = _gemma_rows(emb, enorm_weight, eps)
+    out[:, :dim] = _gemma_rows(emb.to(torch.float32), enorm_weight, eps)
     out[:, dim:] = _gemma_rows(hidden.to(torch.float32), hnorm_weight, eps)
     return out
