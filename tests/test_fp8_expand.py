@@ -1,4 +1,4 @@
-"""CPU block-FP8 -> bfloat16 expansion: bit identity, hand-over, errors, bounds."""
+"""CPU block-FP8 -> bfloat16 expansion: bit identity (both kernels), hand-over, errors, bounds, knobs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from drama3_patches.kernels import fp8 as k8
+from drama3_patches.kernels import fp8_native
 from support import fake_npu
+
+KERNELS = ["native", "torch"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """Each kernel in turn; native needs a C compiler (CI and dev hosts have gcc)."""
+    if request.param == "native" and fp8_native._compiler() is None:
+        pytest.skip("no C compiler here: the native fp8 kernel cannot be built")
+    return request.param
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -35,53 +46,81 @@ SHAPES = [(1, 1), (3, 200), (127, 129), (128, 128), (130, 300), (257, 128), (200
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_bit_identical_to_naive(n, k, transposed):
+def test_bit_identical_to_naive(n, k, transposed, kernel):
     w, s = _weight(n, k, n * 1000 + k), _scale(n, k, n + k)
     ref = k8.reference_dequant(w, s)
     assert torch.isnan(ref.float()).any() or n * k < 256  # NaN codes are exercised
-    for chunk in (None, 256, 128, 40, 7):
-        got = k8.dequant_block_fp8(w, s, transposed=transposed, chunk_rows=chunk)
+    for chunk in ((None, 256, 128, 40, 7) if kernel == "torch" else (None,)):
+        got = k8.dequant_block_fp8(w, s, transposed=transposed, chunk_rows=chunk, kernel=kernel)
         want = ref.t() if transposed else ref
         assert got.shape == want.shape and got.is_contiguous()
         assert torch.equal(_bits(got), _bits(want)), (n, k, transposed, chunk)
 
 
-@pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 3.0e2, 2.0**101, 1e36])
-def test_scale_extremes_bit_identical(magnitude):
-    # tiny (bf16 subnormal / underflow), large (the 2**8 fold is skipped) and overflow to inf
+# tiny (bf16 subnormal / underflow), the edges of the native table's range (2**-120, 2**118),
+# large (the torch path's 2**8 fold is skipped), overflow to inf, negative
+@pytest.mark.parametrize("magnitude", [1e-45, 1e-30, 2.0**-121, 2.0**-120, 1e-3, 3.0e2, 2.0**101, 2.0**118,
+                                       2.0**119, 1e36, -2.5e-3])
+def test_scale_extremes_bit_identical(magnitude, kernel):
     w, s = _weight(260, 300, 7), _scale(260, 300, 7, magnitude)
+    if abs(magnitude) in (2.0**-121, 2.0**-120, 2.0**118, 2.0**119):
+        s.fill_(magnitude)  # exactly on (or just outside) the edge, every block
     ref = k8.reference_dequant(w, s)
     for transposed in (False, True):
-        got = k8.dequant_block_fp8(w, s, transposed=transposed)
+        got = k8.dequant_block_fp8(w, s, transposed=transposed, kernel=kernel)
         assert torch.equal(_bits(got), _bits(ref.t() if transposed else ref))
 
 
-def test_special_scales_and_bf16_scale():
+def test_special_scales_and_bf16_scale(kernel):
     w = _weight(256, 256, 3)
     s = _scale(256, 256, 3)
     s[0, 0], s[1, 1] = float("inf"), float("nan")
-    assert torch.equal(_bits(k8.dequant_block_fp8(w, s)), _bits(k8.reference_dequant(w, s)))
+    s[0, 1], s[1, 0] = 0.0, -0.0
+    for transposed in (False, True):
+        ref = k8.reference_dequant(w, s)
+        got = k8.dequant_block_fp8(w, s, transposed=transposed, kernel=kernel)
+        assert torch.equal(_bits(got), _bits(ref.t() if transposed else ref))
     s16 = _scale(256, 256, 4).to(torch.bfloat16)
-    assert torch.equal(_bits(k8.dequant_block_fp8(w, s16, transposed=True)), _bits(k8.reference_dequant(w, s16).t()))
+    got = k8.dequant_block_fp8(w, s16, transposed=True, kernel=kernel)
+    assert torch.equal(_bits(got), _bits(k8.reference_dequant(w, s16).t()))
 
 
 def test_exact_fallback_path_matches(monkeypatch):
     # Where float16 subnormals would be flushed, the kernel uses torch's own fp8 conversion.
     monkeypatch.setattr(k8, "_fast_path_exact", lambda: False)
     w, s = _weight(130, 300, 11), _scale(130, 300, 11)
-    assert torch.equal(_bits(k8.dequant_block_fp8(w, s, transposed=True)), _bits(k8.reference_dequant(w, s).t()))
+    got = k8.dequant_block_fp8(w, s, transposed=True, kernel="torch")
+    assert torch.equal(_bits(got), _bits(k8.reference_dequant(w, s).t()))
 
 
 def test_fast_path_probe_is_true_here():
     assert k8._fast_path_exact() is True
 
 
-def test_non_default_block_size():
-    w = _weight(100, 90, 5)
-    s = torch.rand(k8.expected_scale_shape((100, 90), (64, 32)))
-    ref = k8.reference_dequant(w, s, block_size=(64, 32))
-    got = k8.dequant_block_fp8(w, s, transposed=True, block_size=(64, 32), chunk_rows=16)
-    assert torch.equal(_bits(got), _bits(ref.t()))
+@pytest.mark.parametrize("block", [(64, 32), (1, 7), (200, 300), (128, 256)])
+def test_non_default_block_size(block, kernel):
+    w = _weight(700, 600, 5)
+    s = torch.rand(k8.expected_scale_shape((700, 600), block))
+    ref = k8.reference_dequant(w, s, block_size=block)
+    for transposed in (False, True):
+        got = k8.dequant_block_fp8(w, s, transposed=transposed, block_size=block, chunk_rows=16, kernel=kernel)
+        assert torch.equal(_bits(got), _bits(ref.t() if transposed else ref))
+
+
+def test_strided_sources_and_outputs(kernel):
+    # What the patch hands over: row slices of the stacked host tensor (gate rows of w13) and a
+    # column slice of the stacked output (the gate half of (H, 2I)).
+    stacked = _weight(2 * 200, 300, 8)
+    gate = stacked[:200]
+    cols = stacked[:, :150]  # non-contiguous rows: stride 300
+    s = _scale(200, 300, 8)
+    s_cols = _scale(400, 150, 9)
+    out = torch.full((300, 2 * 200), 7.0, dtype=torch.bfloat16)
+    k8.dequant_block_fp8(gate, s, transposed=True, out=out[:, :200], kernel=kernel)
+    assert torch.equal(_bits(out[:, :200]), _bits(k8.reference_dequant(gate, s).t()))
+    assert (out[:, 200:] == 7.0).all()  # nothing written outside the slice
+    got = k8.dequant_block_fp8(cols, s_cols, kernel=kernel)
+    assert torch.equal(_bits(got), _bits(k8.reference_dequant(cols, s_cols)))
 
 
 def test_mismatched_scale_error_names_expert_and_shapes():
@@ -160,15 +199,17 @@ def test_scratch_stays_under_one_expert(n, k, threads):
     assert used <= n * k * 2, (chunk, used, n * k * 2)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_threads_give_the_same_bits_and_restore_torch_threads(threads):
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_threads_give_the_same_bits_and_restore_torch_threads(threads, kernel):
     before = torch.get_num_threads()
-    w = [_weight(384, 520, i) for i in range(3)]
-    s = [_scale(384, 520, i) for i in range(3)]
+    w = [_weight(1100, 520, i) for i in range(3)]
+    s = [_scale(1100, 520, i) for i in range(3)]
     ref = [k8.reference_dequant(a, b) for a, b in zip(w, s)]
-    out = torch.empty(3, 520, 384, dtype=torch.bfloat16)
-    k8.dequant_experts(list(w), list(s), out, num_threads=threads, chunk_rows=40)
-    assert all(torch.equal(_bits(out[i]), _bits(ref[i].t())) for i in range(3))
+    for transposed in (True, False):
+        out = torch.empty((3, 520, 1100) if transposed else (3, 1100, 520), dtype=torch.bfloat16)
+        k8.dequant_experts(list(w), list(s), out, transposed=transposed, num_threads=threads, chunk_rows=40,
+                           kernel=kernel)
+        assert all(torch.equal(_bits(out[i]), _bits(ref[i].t() if transposed else ref[i])) for i in range(3))
     assert torch.get_num_threads() == before
 
 

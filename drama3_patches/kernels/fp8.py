@@ -6,8 +6,8 @@ shape ``(ceil(N/bn), ceil(K/bk))``.  The dense value is, by definition,
 :func:`reference_dequant` (``(w.float() * scale_expanded).to(bfloat16)``); the
 functions here produce the same bits, faster and in bounded memory:
 
-* The fp8 -> float32 step uses the bit layout instead of torch's scalar fp8
-  conversion (about 8 ns an element on x86): the byte is sign-extended to
+* The torch path's fp8 -> float32 step uses the bit layout instead of torch's
+  scalar fp8 conversion (about 8 ns an element on x86): the byte is sign-extended to
   int16 and its 7 magnitude bits shifted to the float16 exponent/mantissa
   position, which makes a float16 worth ``v * 2**-8`` (subnormal codes become
   float16 subnormals, which the vectorised float16 -> float32 conversion
@@ -23,15 +23,27 @@ functions here produce the same bits, faster and in bounded memory:
   on the 1-byte fp8 codes, never on a dense copy.  (A transposed write of the
   bf16 result would also change NaN encodings: torch's strided float32 ->
   bfloat16 conversion gives 0x7FC0 where the contiguous one gives 0xFFFF.)
-* Work is streamed one expert at a time, in row chunks; every op is big
-  enough for torch's intra-op (OpenMP) threads, the default.  On a host
-  whose cores are busy with other processes, joining all threads after every
-  op stalls; ``num_threads=k`` then runs chunks on k Python threads instead
-  (torch ops release the GIL) with torch's own threads at 1 for the call.
-  The output rows double as int16 scratch.  Scratch memory beyond the output is
-  at most ``N*K`` bytes (the transposed codes) plus ``5 * chunk_rows * width``
-  bytes per thread; the default chunk size keeps the sum under 90% of one
-  expert's bfloat16 size.
+* Two implementations give the same bits.  ``native`` (the default where a C
+  compiler is present): one fused pass per expert, :mod:`.fp8_native`, a small
+  C kernel built on first use and self-checked against the definition.
+  ``torch``: the same arithmetic in torch ops, in row chunks.  Choose with
+  ``kernel=`` or ``DRAMA3_PATCHES_FP8_KERNEL=auto|native|torch``.
+* Parallelism never joins threads after each small op (torch's intra-op pool
+  does, and on a busy host one descheduled thread then stalls every op):
+  ``num_threads`` workers take work units from one shared counter (C threads
+  in the native kernel; Python threads running single-threaded torch ops in
+  the torch path), so a descheduled worker only delays the unit it holds.
+  Workers still meet once per expert, so by default :func:`dequant_experts`
+  measures, expert by expert, whether ``min(torch.get_num_threads(), usable
+  cores, 8)`` workers or one is faster right now, and keeps the faster (a
+  busy host favours one).  ``num_threads=`` or ``DRAMA3_PATCHES_FP8_THREADS``
+  fixes the count instead.
+* Memory beyond the output: the native kernel needs at most ``N*K`` bytes of
+  scratch (one transposed unit per worker, capped; plus ``N*K`` for a copy of
+  codes whose columns are not contiguous); the torch path at most
+  ``N*K`` bytes for the transposed codes plus ``5 * chunk_rows * width`` bytes
+  per worker, under 90% of one bfloat16 expert with the default chunk size.
+  The torch path uses the output rows as int16 scratch.
 * :func:`dequant_experts` takes the per-expert sources out of the caller's
   container (list or dict) and drops each before taking the next, so the fp8
   copy of an expert is gone before the next expert's dense data is produced.
@@ -41,16 +53,24 @@ functions here produce the same bits, faster and in bounded memory:
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import MutableMapping, MutableSequence
 from typing import Callable, Union
 
 import torch
 
+from drama3_patches.logger import init_logger
+
+logger = init_logger(__name__)
+
 __all__ = [
     "BLOCK",
     "dequant_block_fp8",
     "dequant_experts",
+    "default_threads",
     "expected_scale_shape",
+    "resolve_kernel",
     "reference_dequant",
 ]
 
@@ -60,6 +80,11 @@ _SIGN_AND_MAGNITUDE = -16512  # 0xBF80 as int16: sign bit 15 and bits 13..7
 _CHUNK_CHOICES = (256, 128, 64, 32, 16, 8)
 _TRANSPOSE_SLAB = 32
 _SCRATCH_BYTES_PER_ELEMENT = 5  # a float32 and a uint8 buffer per worker
+_MAX_DEFAULT_THREADS = 8  # the expansion is memory bound well before this many cores
+THREADS_ENV = "DRAMA3_PATCHES_FP8_THREADS"
+KERNEL_ENV = "DRAMA3_PATCHES_FP8_KERNEL"
+KERNELS = ("auto", "native", "torch")
+_warned: set = set()
 
 ExpertSource = Union[MutableSequence, MutableMapping]
 
@@ -76,6 +101,56 @@ def reference_dequant(weight: torch.Tensor, scale: torch.Tensor, block_size=BLOC
     bn, bk = block_size
     expanded = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return (weight.float() * expanded).to(torch.bfloat16)
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
+
+
+def default_threads() -> int:
+    """Workers per expansion: ``DRAMA3_PATCHES_FP8_THREADS`` if set to a positive integer, else
+    ``min(torch.get_num_threads(), usable cores, 8)`` (torch's count is the operator's budget
+    for this process; more than 8 workers gain nothing on a memory-bound pass)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+            if value >= 1:
+                return value
+        except ValueError:
+            pass
+        _warn_once(THREADS_ENV, "%s=%r is not a positive integer; using the default", THREADS_ENV, raw)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores, _MAX_DEFAULT_THREADS))
+
+
+def resolve_kernel(kernel: str | None = None) -> str:
+    """``native`` or ``torch``: the argument, else ``DRAMA3_PATCHES_FP8_KERNEL``, else ``auto``
+    (native where it builds and passes its self-check).  Asking for ``native`` where it cannot
+    be built raises, naming the reason."""
+    choice = kernel
+    if choice is None:
+        choice = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
+        if choice not in KERNELS:
+            _warn_once(KERNEL_ENV, "%s=%r is not one of %s; using auto", KERNEL_ENV, choice, "/".join(KERNELS))
+            choice = "auto"
+    elif choice not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {choice!r}")
+    if choice == "torch":
+        return "torch"
+    from drama3_patches.kernels import fp8_native
+
+    if fp8_native.available():
+        return "native"
+    if choice == "native":
+        raise RuntimeError(f"fp8 expansion: the native kernel was asked for but is unavailable: "
+                           f"{fp8_native.unavailable_reason()}")
+    return "torch"
 
 
 def _check(weight: torch.Tensor, scale: torch.Tensor, block_size, where: str) -> None:
@@ -121,24 +196,29 @@ class _Scratch:
 
 
 class _Workers:
-    """Runs row chunks on ``n`` Python threads, each torch op single-threaded.
+    """One expansion call's workers and buffers.
 
-    Small ops on torch's own intra-op pool join all threads after every op; on
-    a busy host one descheduled thread then stalls every op.  Independent
-    chunks on separate threads (torch ops release the GIL) only meet once per
-    expert, and a slow thread just takes fewer chunks.
+    ``kernel == "native"``: the C kernel runs its own ``n`` workers per expert.  ``"torch"``:
+    row chunks run on ``n`` Python threads (torch ops release the GIL) with torch's own thread
+    count at 1 for the call, because torch's intra-op pool joins all its threads after every
+    small op and on a busy host one descheduled thread then stalls every op.  Independent
+    chunks taken from a shared iterator only meet once per expert, and a slow thread just
+    takes fewer chunks.
     """
 
-    def __init__(self, n: int, chunk_rows: int, width: int) -> None:
+    def __init__(self, n: int, chunk_rows: int, width: int, kernel: str = "torch") -> None:
         self.n = max(1, n)
-        self.scratches = [_Scratch(chunk_rows, width) for _ in range(self.n)]
+        self.active = self.n  # workers used for the next expert (the adaptive choice may lower it)
+        self.kernel = kernel
+        self.scratches = [_Scratch(chunk_rows, width) for _ in range(self.n)] if kernel == "torch" else []
+        self._chunk_rows = chunk_rows
         self.codes: torch.Tensor | None = None  # transposed fp8 codes of one expert
         self._pool = None
         self._saved_threads = None
 
     @property
     def chunk_rows(self) -> int:
-        return self.scratches[0].chunk_rows
+        return self._chunk_rows
 
     def codes_for(self, rows: int, cols: int) -> torch.Tensor:
         if self.codes is None or self.codes.numel() < rows * cols:
@@ -147,13 +227,14 @@ class _Workers:
         return self.codes[: rows * cols].view(rows, cols)
 
     def __enter__(self) -> "_Workers":
-        if self.n > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
+        if self.kernel == "torch":
             # Process-wide for the duration of the call: new pool threads read it on first use.
             self._saved_threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            self._pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="fp8-expand")
+            if self.n > 1:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="fp8-expand")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -165,7 +246,7 @@ class _Workers:
             self._saved_threads = None
 
     def run(self, chunks: list[tuple[int, int]], fn: Callable[[int, int, _Scratch], None]) -> None:
-        if self._pool is None or len(chunks) == 1:
+        if self._pool is None or len(chunks) == 1 or self.active == 1:
             for start, stop in chunks:
                 fn(start, stop, self.scratches[0])
             return
@@ -182,7 +263,7 @@ class _Workers:
                     return
                 fn(item[0], item[1], scratch)
 
-        futures = [self._pool.submit(work, s) for s in self.scratches[1:]]
+        futures = [self._pool.submit(work, s) for s in self.scratches[1:self.active]]
         try:
             work(self.scratches[0])
         finally:
@@ -269,6 +350,7 @@ def dequant_block_fp8(
     block_size=BLOCK,
     chunk_rows: int | None = None,
     num_threads: int | None = None,
+    kernel: str | None = None,
     where: str = "weight",
     _workers: _Workers | None = None,
 ) -> torch.Tensor:
@@ -276,13 +358,16 @@ def dequant_block_fp8(
 
     Returns ``(N, K)``, or ``(K, N)`` (the transpose, contiguous) when
     ``transposed``; ``out`` (CPU, bfloat16, that shape, rows contiguous)
-    receives the result when given.  ``num_threads`` > 1 expands row chunks
-    on that many Python threads instead of torch's intra-op threads.
+    receives the result when given.  ``num_threads`` workers (default
+    :func:`default_threads`), ``kernel`` as in :func:`resolve_kernel`;
+    ``chunk_rows`` sizes the torch path's row chunks.
     """
     if _workers is None:
         rows, width = reversed(weight.shape) if transposed else weight.shape
-        threads = num_threads or 1
-        with _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width) as workers:
+        threads = num_threads or default_threads()
+        chosen = resolve_kernel(kernel)
+        chunk = chunk_rows or default_chunk_rows(rows, width, transposed, threads)
+        with _Workers(threads, chunk, width, chosen) as workers:
             return dequant_block_fp8(weight, scale, transposed=transposed, out=out, block_size=block_size,
                                      where=where, _workers=workers)
     _check(weight, scale, block_size, where)
@@ -293,6 +378,15 @@ def dequant_block_fp8(
         out = torch.empty(shape, dtype=torch.bfloat16)
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.device.type != "cpu" or out.stride(-1) != 1:
         raise ValueError(f"{where}: out must be a CPU bfloat16 tensor of shape {shape} with contiguous rows")
+    if _workers.kernel == "native":
+        from drama3_patches.kernels import fp8_native
+
+        codes = weight.view(torch.uint8)
+        if codes.stride(1) != 1:
+            codes = codes.contiguous()
+        fp8_native.expand(codes, scale.to(torch.float32), out, transposed=transposed, block_size=(bn, bk),
+                          threads=_workers.active)
+        return out
     scale32 = scale.to(torch.float32)
     codes = weight.view(torch.int8)
     if transposed:
@@ -308,6 +402,38 @@ def dequant_block_fp8(
         codes = codes.contiguous()
     _expand_rows(codes, scale32, bn, bk, out, _workers, _fast_path_exact())
     return out
+
+
+class _AdaptiveThreads:
+    """Per expert, the faster of ``many`` workers and one, by measured wall time.
+
+    Workers meet at the end of every expert; on a busy host a descheduled worker then holds
+    the others up for the rest of its time slice, and one worker can beat several.  Both
+    counts are tried on the first experts, the faster is kept, and the other is tried again
+    every ``PROBE_EVERY`` experts, since the load changes.  (Experts of one call have one
+    shape, so their times compare.)
+    """
+
+    PROBE_EVERY = 8
+
+    def __init__(self, many: int) -> None:
+        self.options = (many, 1) if many > 1 else (1,)
+        self.seconds: dict[int, float] = {}
+        self.count = 0
+
+    def choose(self) -> int:
+        for option in self.options:
+            if option not in self.seconds:
+                return option
+        best = min(self.options, key=self.seconds.__getitem__)
+        if len(self.options) > 1 and self.count % self.PROBE_EVERY == self.PROBE_EVERY - 1:
+            return next(o for o in self.options if o != best)
+        return best
+
+    def record(self, option: int, seconds: float) -> None:
+        old = self.seconds.get(option)
+        self.seconds[option] = seconds if old is None else 0.5 * (old + seconds)
+        self.count += 1
 
 
 def _take(container: ExpertSource, index: int):
@@ -327,6 +453,7 @@ def dequant_experts(
     block_size=BLOCK,
     chunk_rows: int | None = None,
     num_threads: int | None = None,
+    kernel: str | None = None,
     name: str = "experts",
     on_expert_done: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
@@ -340,27 +467,37 @@ def dequant_experts(
 
     ``out`` may live on another device: each expert is then expanded into one
     reusable CPU staging buffer and copied with a blocking copy.
-    ``num_threads`` > 1 expands row chunks on that many Python threads, with
-    torch's own thread count at 1 for the duration of the call; by default
-    torch's intra-op threads parallelise each op.
+    ``num_threads`` workers take work units from a shared counter; without
+    ``num_threads`` (or ``DRAMA3_PATCHES_FP8_THREADS``) each expert uses either
+    :func:`default_threads` workers or one, whichever measured faster on this
+    call's earlier experts (:class:`_AdaptiveThreads`).  ``kernel`` as in
+    :func:`resolve_kernel`.
     """
     num_experts = out.shape[0]
     if out.dtype != torch.bfloat16 or out.dim() != 3:
         raise ValueError(f"{name}: out must be a 3-D bfloat16 tensor, got {out.dtype} {tuple(out.shape)}")
     on_cpu = out.device.type == "cpu"
     rows, width = out.shape[1], out.shape[2]
-    threads = num_threads or 1
-    workers = _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width)
+    explicit = num_threads or (default_threads() if os.environ.get(THREADS_ENV, "").strip() else None)
+    threads = explicit or default_threads()
+    adaptive = None if explicit else _AdaptiveThreads(threads)
+    chosen = resolve_kernel(kernel)
+    workers = _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width, chosen)
     staging = None if on_cpu else torch.empty(rows, width, dtype=torch.bfloat16)
     with workers:
         for e in range(num_experts):
-            _expand_one(weights, scales, e, out, staging, transposed, block_size, name, workers)
+            if adaptive is not None:
+                workers.active = adaptive.choose()
+            seconds = _expand_one(weights, scales, e, out, staging, transposed, block_size, name, workers)
+            if adaptive is not None:
+                adaptive.record(workers.active, seconds)
             if on_expert_done is not None:
                 on_expert_done(e)
     return out
 
 
-def _expand_one(weights, scales, e, out, staging, transposed, block_size, name, workers) -> None:
+def _expand_one(weights, scales, e, out, staging, transposed, block_size, name, workers) -> float:
+    """Expand expert ``e``; returns the seconds the expansion itself took."""
     weight = _take(weights, e)
     scale = _take(scales, e)
     where = f"{name} expert {e}"
@@ -373,8 +510,11 @@ def _expand_one(weights, scales, e, out, staging, transposed, block_size, name, 
             f"(transposed={transposed})"
         )
     target = out[e] if staging is None else staging
+    start = time.perf_counter()
     dequant_block_fp8(weight, scale, transposed=transposed, out=target, block_size=block_size,
                       where=where, _workers=workers)
+    seconds = time.perf_counter() - start
     del weight, scale  # this frame held the last reference: the fp8 source is freed here
     if staging is not None:
         out[e].copy_(staging, non_blocking=False)  # staging is reused right away
+    return seconds

@@ -1,0 +1,182 @@
+"""The native fp8 kernel: every SIMD level bit-exact, its scratch cap, build cache and fallbacks;
+the kernel / thread knobs and the per-expert choice of worker count."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+
+import pytest
+import torch
+
+from drama3_patches.kernels import fp8 as k8
+from drama3_patches.kernels import fp8_native
+
+needs_cc = pytest.mark.skipif(fp8_native._compiler() is None, reason="no C compiler here")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _case(n: int, k: int, seed: int, magnitude: float = 1e-2):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=g)
+    codes[: min(256, n * k)] = torch.randperm(256, generator=g)[: min(256, n * k)].to(torch.uint8)
+    w = codes.view(n, k).view(torch.float8_e4m3fn)
+    s = torch.rand(k8.expected_scale_shape((n, k)), generator=g) * magnitude + magnitude / 16
+    return w, s
+
+
+# Builds that take the AVX2 path, the SSE4.1 path and the plain-C table (flags after -march=native win).
+LEVELS = {2: (), 1: ("-mno-avx2",), 0: ("-mno-avx2", "-mno-sse4.1")}
+
+
+@needs_cc
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the SIMD levels are x86 ones")
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_every_simd_level_is_bit_exact(level):
+    lib = fp8_native._open(fp8_native.build(extra_flags=LEVELS[level]))
+    if lib.d3_fp8_simd_level() != level:
+        pytest.skip(f"this CPU/compiler gives level {lib.d3_fp8_simd_level()} for flags {LEVELS[level]}")
+    nan_bits = fp8_native.torch_nan_bits()
+    assert fp8_native._self_check(lib, nan_bits) is None
+    for (n, k), mag in (((257, 130), 1e-2), ((1030, 520), -7.0), ((64, 600), 2.0**119), ((520, 33), 1e-40)):
+        w, s = _case(n, k, n + k, mag)
+        s.view(-1)[0] = float("inf")
+        ref = k8.reference_dequant(w, s)
+        for transposed in (False, True):
+            for threads in (1, 3):
+                out = torch.empty((k, n) if transposed else (n, k), dtype=torch.bfloat16)
+                fp8_native._call(lib, w.view(torch.uint8), s, out, transposed, (128, 128), threads, nan_bits)
+                assert torch.equal(_bits(out), _bits(ref.t() if transposed else ref)), (level, n, k, transposed)
+
+
+@needs_cc
+def test_workers_are_capped_so_scratch_stays_within_half_an_expert():
+    # One transposed unit (128 columns x 512 rows of codes) and its tables per worker: a
+    # 512 x 256 expert (n*k = 128 KiB) affords one worker however many are asked for; a big
+    # one gets them all.  Results are the same bits either way.
+    for (n, k), asked, want in (((512, 256), 8, 1), ((4096, 1024), 8, 8), ((4096, 1024), 3, 3)):
+        w, s = _case(n, k, 3)
+        out = torch.empty(k, n, dtype=torch.bfloat16)
+        used = fp8_native.expand(w.view(torch.uint8), s, out, transposed=True, block_size=(128, 128), threads=asked)
+        assert used == want, (n, k, asked, used)
+        assert torch.equal(_bits(out), _bits(k8.reference_dequant(w, s).t()))
+
+
+@needs_cc
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    first = fp8_native.build(cache_dir=tmp_path)
+    assert first.parent == tmp_path and first.is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no half-written leftovers
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again although the library is cached")
+
+    monkeypatch.setattr(fp8_native, "_compile", no_compile)
+    assert fp8_native.build(cache_dir=tmp_path) == first
+
+
+def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, caplog):
+    monkeypatch.setattr(fp8_native, "_STATE", {})
+    monkeypatch.setattr(fp8_native, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert fp8_native.available() is False
+    assert "no C compiler" in fp8_native.unavailable_reason()
+    assert any("native kernel unavailable" in r.getMessage() for r in caplog.records)
+    assert k8.resolve_kernel() == "torch" and k8.resolve_kernel("auto") == "torch"
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        k8.resolve_kernel("native")
+    w, s = _case(130, 300, 1)
+    got = k8.dequant_experts([w], [s], torch.empty(1, 300, 130, dtype=torch.bfloat16))
+    assert torch.equal(_bits(got[0]), _bits(k8.reference_dequant(w, s).t()))
+
+
+@needs_cc
+def test_a_failed_self_check_disables_the_kernel(monkeypatch):
+    monkeypatch.setattr(fp8_native, "_STATE", {})
+    monkeypatch.setattr(fp8_native, "_self_check", lambda lib, nan_bits: "self-check mismatch (injected)")
+    assert fp8_native.load() is None
+    assert fp8_native.unavailable_reason() == "self-check mismatch (injected)"
+    assert k8.resolve_kernel() == "torch"
+
+
+@needs_cc
+def test_a_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
+    monkeypatch.setattr(fp8_native, "SOURCE", fp8_native.SOURCE + "\nthis is not C;\n")
+    with pytest.raises(RuntimeError, match="building the fp8 kernel failed.*error"):
+        fp8_native.build(cache_dir=tmp_path)
+
+
+def test_kernel_knob(monkeypatch, caplog):
+    monkeypatch.setenv(k8.KERNEL_ENV, "torch")
+    assert k8.resolve_kernel() == "torch"
+    assert k8.resolve_kernel("torch") == "torch"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        k8.resolve_kernel("cuda")
+    monkeypatch.setattr(k8, "_warned", set())
+    monkeypatch.setenv(k8.KERNEL_ENV, "fastest")
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert k8.resolve_kernel() in ("native", "torch")  # auto
+    assert any("DRAMA3_PATCHES_FP8_KERNEL='fastest'" in r.getMessage() for r in caplog.records)
+
+
+def test_threads_knob(monkeypatch, caplog):
+    monkeypatch.setenv(k8.THREADS_ENV, "3")
+    assert k8.default_threads() == 3
+    monkeypatch.delenv(k8.THREADS_ENV)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert k8.default_threads() == min(64, len(os.sched_getaffinity(0)), 8)
+    monkeypatch.setattr(k8, "_warned", set())
+    monkeypatch.setenv(k8.THREADS_ENV, "many")
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert k8.default_threads() >= 1
+    assert any("not a positive integer" in r.getMessage() for r in caplog.records)
+
+
+def test_adaptive_choice_tries_both_keeps_the_faster_and_probes_again():
+    a = k8._AdaptiveThreads(4)
+    seen = []
+    for i in range(20):
+        t = a.choose()
+        seen.append(t)
+        a.record(t, {4: 1.0, 1: 3.0}[t] if i < 10 else {4: 5.0, 1: 1.0}[t])  # the host gets busy at 10
+    assert seen[:2] == [4, 1]
+    assert seen[2:7] == [4] * 5 and seen[7] == 1  # the slower is probed again at the 8th expert
+    assert seen[-3:] == [1, 1, 1]  # after the load changed, one worker wins
+    assert k8._AdaptiveThreads(1).options == (1,)
+
+
+def _record_threads(monkeypatch):
+    calls = []
+    real = fp8_native.expand
+
+    def spy(*args, threads, **kwargs):
+        calls.append(threads)
+        return real(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(fp8_native, "expand", spy)
+    return calls
+
+
+@needs_cc
+def test_experts_choose_their_worker_count_unless_it_is_fixed(monkeypatch):
+    e = 10
+    w = [_case(256, 384, i)[0] for i in range(e)]
+    s = [_case(256, 384, i)[1] for i in range(e)]
+    out = torch.empty(e, 384, 256, dtype=torch.bfloat16)
+    calls = _record_threads(monkeypatch)
+    monkeypatch.setenv(k8.THREADS_ENV, "4")  # the operator's knob fixes the count
+    k8.dequant_experts(list(w), list(s), out, kernel="native")
+    assert calls == [4] * e
+    monkeypatch.delenv(k8.THREADS_ENV)
+    calls.clear()
+    k8.dequant_experts(list(w), list(s), out, kernel="native", num_threads=2)  # so does the argument
+    assert calls == [2] * e
+    calls.clear()
+    monkeypatch.setattr(k8, "default_threads", lambda: 3)
+    k8.dequant_experts(list(w), list(s), out, kernel="native")  # the default: measured per expert
+    assert calls[:2] == [3, 1] and set(calls) <= {1, 3} and len(calls) == e
+    assert all(torch.equal(_bits(out[i]), _bits(k8.reference_dequant(w[i], s[i]).t())) for i in range(e))
