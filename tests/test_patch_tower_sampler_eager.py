@@ -53,6 +53,7 @@ def _published_fish_omni() -> bool:
 
 needs_fish_omni = pytest.mark.skipif(
     not _published_fish_omni(), reason="this vllm-omni has no fish_omni (Drama 3 is published from 0.32.0rc1 on)")
+
 KMOD = "vllm_omni.model_executor.models.fish_omni.kernels"
 QKMOD = "vllm.model_executor.layers.fused_qk_norm_rope"
 TARGETS = [f"{KMOD}:{n}" for n in ("tower_mix_norm", "gemma_rms_norm", "gemma_rms_norm_table", "sigmoid_gate",
