@@ -134,9 +134,45 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _check_feature_detection() -> None:
+    """plan() on the published function, on a platform-guarded one, on one that fails."""
+    gdn = importlib.import_module(GDN_MODULE)
+    published = gdn.install_drama3_gdn
+
+    def ctx_for(func):
+        return PatchContext("gdn-backbone-ascend", (TARGET,), "npu", {}, gba.logger, _resolve=lambda t: func)
+
+    assert gba.swaps_here(published) is True  # on this npu platform
+    new = gba.plan(ctx_for(published))[TARGET]
+    assert new.__wrapped__ is published and new.__name__ == "install_drama3_gdn"
+
+    # An upstream fix: the same function, guarded by the platform (defined in gdn's namespace).
+    namespace = dict(vars(gdn))
+    exec(
+        "def install_drama3_gdn(model):\n"
+        "    from vllm.platforms import current_platform\n"
+        "    if not current_platform.is_cuda():\n"
+        "        return 0\n"
+        "    count = 0\n"
+        "    for module in model.modules():\n"
+        "        if type(module) is QwenGatedDeltaNetAttention:\n"
+        "            module.__class__ = Drama3GatedDeltaNet\n"
+        "            count += 1\n"
+        "    return count\n",
+        namespace,
+    )
+    with pytest.raises(NotNeeded, match="already leaves Qwen GDN layers"):
+        gba.plan(ctx_for(namespace["install_drama3_gdn"]))
+
+    exec("def install_drama3_gdn(model):\n    raise ValueError(model)\n", namespace)
+    with pytest.raises(RuntimeError, match="cannot check whether it swaps"):
+        gba.plan(ctx_for(namespace["install_drama3_gdn"]))
+
+
 @fake_npu.in_fresh_process
 def test_on_npu_the_backbone_keeps_vllms_gdn_and_cuda_still_swaps(tmp_path, monkeypatch):
     vllm_config, text_config = _boot(tmp_path)
+    _check_feature_detection()
     import vllm.platforms as vp
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
@@ -192,38 +228,3 @@ def test_on_npu_the_backbone_keeps_vllms_gdn_and_cuda_still_swaps(tmp_path, monk
     assert gdn.install_drama3_gdn is original
     backbone = _backbone(vllm_config, text_config)
     assert _install(backbone) == 2
-
-
-@pytest.mark.forked
-def test_plan_detects_an_install_that_already_leaves_the_layers_alone():
-    gdn = importlib.import_module(GDN_MODULE)
-    published = gdn.install_drama3_gdn
-
-    def ctx_for(func):
-        return PatchContext("gdn-backbone-ascend", (TARGET,), "npu", {}, gba.logger, _resolve=lambda t: func)
-
-    assert gba.swaps_here(published) is True  # this CPU host's platform is not CUDA either
-    new = gba.plan(ctx_for(published))[TARGET]
-    assert new.__wrapped__ is published and new.__name__ == "install_drama3_gdn"
-
-    # An upstream fix: the same function, guarded by the platform (defined in gdn's namespace).
-    namespace = dict(vars(gdn))
-    exec(
-        "def install_drama3_gdn(model):\n"
-        "    from vllm.platforms import current_platform\n"
-        "    if not current_platform.is_cuda():\n"
-        "        return 0\n"
-        "    count = 0\n"
-        "    for module in model.modules():\n"
-        "        if type(module) is QwenGatedDeltaNetAttention:\n"
-        "            module.__class__ = Drama3GatedDeltaNet\n"
-        "            count += 1\n"
-        "    return count\n",
-        namespace,
-    )
-    with pytest.raises(NotNeeded, match="already leaves Qwen GDN layers"):
-        gba.plan(ctx_for(namespace["install_drama3_gdn"]))
-
-    exec("def install_drama3_gdn(model):\n    raise ValueError(model)\n", namespace)
-    with pytest.raises(RuntimeError, match="cannot check whether it swaps"):
-        gba.plan(ctx_for(namespace["install_drama3_gdn"]))

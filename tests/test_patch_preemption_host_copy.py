@@ -25,6 +25,7 @@ driven the way vllm-omni's MRv2 runner drives it: ``on_request_preempted`` then
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from types import SimpleNamespace
 
@@ -60,13 +61,28 @@ class SlotPoolModel(torch.nn.Module):
 
         codebooks = vllm_config.model_config.hf_config.audio_decoder_config.num_codebooks
         seqs = vllm_config.scheduler_config.max_num_seqs
+        tokens = vllm_config.scheduler_config.max_num_batched_tokens
         long = dict(dtype=torch.int64, device=device)
+        flag = dict(dtype=torch.bool, device=device)
         self.frame_width = 1 + codebooks
         self.max_top_k = 64
-        # FishOmniBuffers' slot pools (the last slot absorbs padding rows).
+        self.num_sample_rows = None
+        # FishOmniBuffers: per-step token and sample rows, then the slot pools (the last slot
+        # absorbs padding rows); the sampler's noise is (rows, draws, max_top_k) float32.
         self.buffers = SimpleNamespace(
-            max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            max_num_tokens=tokens,
+            max_num_seqs=seqs,
             dummy_slot=seqs,
+            frames=torch.zeros((tokens, 1 + codebooks), **long),
+            labels=torch.zeros((tokens, 1 + codebooks), **long),
+            token_slots=torch.full((tokens,), seqs, **long),
+            token_from_slot=torch.ones(tokens, **flag),
+            sample_token_rows=torch.ones(tokens, **flag),
+            token_sample_index=torch.zeros(tokens, **long),
+            sample_rows=torch.zeros(seqs, **long),
+            sample_valid=torch.zeros(seqs, **flag),
+            sample_slots=torch.full((seqs,), seqs, **long),
+            noise=torch.zeros((seqs, codebooks + 1, self.max_top_k), dtype=torch.float32, device=device),
             slot_ras=torch.full((seqs + 1, RAS_WINDOW_FRAMES), EMPTY_RAS_SLOT, **long),
             slot_temperature=torch.ones(seqs + 1, dtype=torch.float32, device=device),
             slot_top_k=torch.ones(seqs + 1, **long),
@@ -239,6 +255,40 @@ def _check_resumed(state, model, a_frames, b_frames) -> None:
     assert "A" not in state._suspended
 
 
+def _check_feature_detection() -> None:
+    """plan() on the published method, on one that parks on the host, on one that parks nothing."""
+    from vllm_omni.model_executor.models.fish_omni import model_state as ms
+
+    published = ms.FishOmniModelState.__dict__["on_request_preempted"]
+
+    def ctx_for(method):
+        return PatchContext("preemption-host-copy", (TARGET,), "npu", {}, php.logger, _resolve=lambda t: method)
+
+    assert php.parks_off_host(published) is True
+    new = php.plan(ctx_for(published))[TARGET]
+    assert new.__wrapped__ is published and new.__qualname__ == published.__qualname__
+    assert inspect.signature(new) == inspect.signature(published)
+
+    class ParksOnHost(ms.FishOmniModelState):
+        def on_request_preempted(self, req_id, req_index):
+            super().on_request_preempted(req_id, req_index)
+            history = self.buffers.slot_history[req_index]
+            count = self.buffers.slot_generated[req_index : req_index + 1]
+            if history.is_cuda:
+                raise AssertionError("not probed on CUDA")
+            host = [t.to("cpu", copy=True) for t in (history, count)]
+            self._suspended[req_id] = ms._SuspendedRequest(*host, None)
+
+    class ParksNothing(ms.FishOmniModelState):
+        def on_request_preempted(self, req_id, req_index):
+            super().on_request_preempted(req_id, req_index)
+
+    with pytest.raises(NotNeeded, match="already copies the parked history and count to the host"):
+        php.plan(ctx_for(ParksOnHost.__dict__["on_request_preempted"]))
+    with pytest.raises(RuntimeError, match="parks no history/count"):
+        php.plan(ctx_for(ParksNothing.__dict__["on_request_preempted"]))
+
+
 # ----------------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------------
@@ -249,6 +299,7 @@ def _check_resumed(state, model, a_frames, b_frames) -> None:
 @fake_npu.in_fresh_process
 def test_resume_after_preemption_fails_unpatched_and_is_bit_exact_patched(tmp_path, monkeypatch):
     _boot()
+    _check_feature_detection()
     vllm_config = _vllm_config(tmp_path)
 
     # The published method on the simulated npu: the park stays on the device, resume fails.
@@ -371,39 +422,60 @@ def test_the_parent_chains_own_park_resumes_as_upstream_keeps_it(tmp_path):
 
 @pytest.mark.vllm
 @needs_fish_omni
-@pytest.mark.forked
-def test_plan_detects_where_the_method_parks():
-    from vllm_omni.model_executor.models.fish_omni import model_state as ms
+@fake_npu.in_fresh_process
+def test_without_uva_every_staged_upload_reaches_the_npu(tmp_path):
+    """The state's four UvaBufferPools on an npu platform without pinned memory: vLLM's
+    NonUvaBuffer keeps a host staging tensor and a device tensor on the platform's device_type,
+    and each step's upload is an explicit host-to-device copy (no UVA view, no host sync)."""
+    _boot()
+    from vllm.v1.worker.gpu.buffer_utils import NonUvaBuffer
 
-    published = ms.FishOmniModelState.__dict__["on_request_preempted"]
+    state, model = _build(_vllm_config(tmp_path), "npu")
+    pools = (state._slot_pool, state._token_pool, state._decode_pool, state._sample_pool)
+    for pool in pools:
+        assert all(type(buf) is NonUvaBuffer and fake_npu.is_fake_npu(buf._uva) for buf in pool._uva_bufs)
+    buffers = model.buffers
+    state.add_request(1, _request("A", A_PROMPT))  # run_preprocess flushes the slot writes itself
+    state.add_request(2, _request("B", B_PROMPT))
 
-    def ctx_for(method):
-        return PatchContext("preemption-host-copy", (TARGET,), "npu", {}, php.logger, _resolve=lambda t: method)
+    def batch(computed, scheduled, padded):
+        starts = np.concatenate(([0], np.cumsum(scheduled))).astype(np.int32)
+        return SimpleNamespace(
+            num_reqs=2, req_ids=["A", "B"], idx_mapping_np=np.array([1, 2], dtype=np.int32),
+            num_scheduled_tokens=np.array(scheduled, dtype=np.int32),
+            num_computed_tokens_np=np.array(computed, dtype=np.int32),
+            num_tokens=int(sum(scheduled)), num_tokens_after_padding=padded, query_start_loc_np=starts,
+        )
 
-    assert php.parks_off_host(published) is True
-    new = php.plan(ctx_for(published))[TARGET]
-    assert new.__wrapped__ is published and new.__qualname__ == published.__qualname__
-    import inspect
+    def _uploads_only(log):
+        # Host data goes up through the staging copies; nothing waits on the device.
+        assert [t for t in log if t.direction == "h2d"] and all(t.direction != "d2h" for t in log), log
+        assert all(t.non_blocking for t in log if t.direction == "h2d"), log
 
-    assert inspect.signature(new) == inspect.signature(published)
+    # Step 1, both prompts (mixed path: token and sample pools, after the slot pool's flush).
+    with fake_npu.record_transfers() as log:
+        state.run_preprocess(batch([0, 0], [5, 4], 12), {})
+    _uploads_only(log)
+    dummy = buffers.dummy_slot
+    assert torch.equal(buffers.slot_temperature.cpu()[1:3], torch.tensor([0.8, 0.8]))
+    assert torch.equal(buffers.slot_top_p.cpu()[1:3], torch.tensor([0.9, 0.9]))
+    assert buffers.slot_top_k.cpu()[1:3].tolist() == [30, 30] and buffers.slot_generated.cpu()[1:3].tolist() == [0, 0]
+    assert buffers.slot_ras.cpu()[1].tolist() == [-1] * 11 + A_PROMPT
+    prompt_rows = torch.cat((model.prompts["A"], model.prompts["B"]))
+    assert torch.equal(buffers.frames.cpu()[:9], prompt_rows)
+    assert torch.equal(buffers.labels.cpu()[:4], model.prompts["A"][1:])
+    assert buffers.token_slots.cpu()[:12].tolist() == [1] * 5 + [2] * 4 + [dummy] * 3
+    assert buffers.sample_rows.cpu()[:2].tolist() == [4, 8] and buffers.sample_slots.cpu()[:2].tolist() == [1, 2]
+    assert buffers.sample_valid.cpu()[:2].tolist() == [True, True]
 
-    class ParksOnHost(ms.FishOmniModelState):
-        def on_request_preempted(self, req_id, req_index):
-            super().on_request_preempted(req_id, req_index)
-            history = self.buffers.slot_history[req_index]
-            count = self.buffers.slot_generated[req_index : req_index + 1]
-            if history.is_cuda:
-                raise AssertionError("not probed on CUDA")
-            self._suspended[req_id] = ms._SuspendedRequest(history.to("cpu", copy=True), count.to("cpu", copy=True), None)
-
-    class ParksNothing(ms.FishOmniModelState):
-        def on_request_preempted(self, req_id, req_index):
-            super().on_request_preempted(req_id, req_index)
-
-    with pytest.raises(NotNeeded, match="already copies the parked history and count to the host"):
-        php.plan(ctx_for(ParksOnHost.__dict__["on_request_preempted"]))
-    with pytest.raises(RuntimeError, match="parks no history/count"):
-        php.plan(ctx_for(ParksNothing.__dict__["on_request_preempted"]))
+    # Step 2, pure decode (the decode pool): every row reads its slot.
+    with fake_npu.record_transfers() as log:
+        state.run_preprocess(batch([5, 4], [1, 1], 4), {})
+    _uploads_only(log)
+    assert buffers.token_slots.cpu()[:4].tolist() == [1, 2, dummy, dummy]
+    assert buffers.sample_slots.cpu()[:2].tolist() == [1, 2]
+    assert buffers.sample_token_rows.cpu()[:4].tolist() == [True, True, False, False]
+    assert buffers.token_from_slot.cpu()[:4].all() and model.num_sample_rows == 2
 
 
 class _CudaLike(torch.Tensor):
