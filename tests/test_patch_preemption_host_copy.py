@@ -338,9 +338,10 @@ def test_resume_after_preemption_fails_unpatched_and_is_bit_exact_patched(tmp_pa
     b_frames = _frames(9, seed=8)
     _generate(state, model, 1, b_frames)
     _admit(state, 3, _request("A", A_PROMPT, a_frames[:, 0].tolist()))
+    print(f"patched: park copies {list(log)}; A resumed in slot 3 with "
+          f"{int(model.buffers.slot_generated.cpu()[3])} generated frames, codes equal: "
+          f"{torch.equal(torch.from_numpy(state.prompts[3][len(A_PROMPT):]), a_frames)}")
     _check_resumed(state, model, a_frames, b_frames)
-    print(f"patched: resumed A in slot 3 with {int(model.buffers.slot_generated.cpu()[3])} frames, "
-          f"codes equal: {torch.equal(torch.from_numpy(state.prompts[3][len(A_PROMPT):]), a_frames)}")
 
     # The resume consumed the park; a request finished while parked drops its host copy.
     state.on_requests_finished({"A"})
