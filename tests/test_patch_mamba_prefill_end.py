@@ -1,11 +1,13 @@
-"""mamba-prefill-end on real vLLM with each vllm-ascend replica profile.
+"""mamba-prefill-end on real vLLM (and the installed vllm-omni) with each vllm-ascend stand-in.
 
 Each child is a fresh interpreter started the way an engine-core process starts: the
 environment enables the patches, nothing is applied by hand (unless the start-up hook is not
 installed in this environment, then it applies late). It then does what vLLM-Ascend does there,
 ``adapt_patch(is_global_patch=True)``, builds a real vLLM hybrid KV-cache manager (full
-attention + Mamba) and allocates a prefill: the scheduler's allocation path, which passes
-``prefill_end`` to every manager.
+attention + Mamba), hands it to vllm-omni's scheduler set-up where the installed vllm-omni has one
+(0.32.0rc1's OmniARScheduler installs a decode fast path on single-group managers only), and
+allocates a prefill: the scheduler's allocation path, which passes ``prefill_end`` to every
+manager.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from vllm.v1.request import Request
 
 import drama3_patches
 from drama3_patches._bootstrap import installed_finder
+import vllm_omni  # a vLLM-Omni stage's engine core has it loaded
 
 TARGET = %(target)r
 out = {"hook": installed_finder() is not None}
@@ -54,8 +57,17 @@ def manager():
     return KVCacheManager(config, max_model_len=256, scheduler_block_size=16, hash_block_size=16, enable_caching=False)
 
 
+try:  # vllm-omni 0.32.0rc1: OmniARScheduler.__init__ offers its KV manager a decode fast path
+    from vllm_omni.core.sched.fast_allocate import install_decode_allocate_fast_path
+except ImportError:  # 0.31.0rc1 has none
+    install_decode_allocate_fast_path = None
+out["omni"] = sys.modules["vllm_omni"].__version__ if "vllm_omni" in sys.modules else None
+
+
 def step(rid):
     m = manager()
+    if install_decode_allocate_fast_path is not None:
+        out["omni_fast_path"] = install_decode_allocate_fast_path(m)
     req = Request(rid, list(range(40)), SamplingParams(max_tokens=4), None)
     try:
         blocks = m.allocate_slots(req, 40)
@@ -125,6 +137,10 @@ def test_scheduler_allocation_passes_through_the_ascend_manager(applied):
     _, out = applied
     assert out["step"] == {"managers": ["FullAttentionManager", "AscendMambaManager"], "blocks": [3, 3]}
     assert isinstance(out["positional"], int)
+    assert out["omni"] in ("0.31.0rc1", "0.32.0rc1")
+    if out["omni"] == "0.32.0rc1":
+        # A hybrid manager keeps vLLM's allocate_slots (and so the Ascend manager) under vllm-omni.
+        assert out["omni_fast_path"] is False
 
 
 def test_without_the_patch_vllm_raises_type_error(applied):
@@ -169,7 +185,8 @@ def test_not_needed_when_the_ascend_manager_already_takes_prefill_end():
     assert out["step"]["managers"] == ["FullAttentionManager", "AscendMambaManager"]
 
 
-def test_missing_manager_module_is_skipped(tmp_path):
+def test_missing_manager_module_inside_the_range_fails_naming_it(tmp_path):
+    # vllm-ascend is installed at a version the manifest admits: a missing target is drift.
     root = tmp_path / "ascend_without_mamba_manager"
     shutil.copytree(profile(ASCEND_MAIN), root)
     (root / "vllm_ascend/patch/platform/patch_mamba_manager.py").unlink()
@@ -184,7 +201,7 @@ def test_missing_manager_module_is_skipped(tmp_path):
         env=npu_env(), pythonpath=[root],
     )
     state, reason = json.loads(proc.stdout.split("RESULT ")[-1])
-    assert state == "skipped"
+    assert state == "failed"
     assert "ModuleNotFoundError" in reason and "patch_mamba_manager" in reason
 
 

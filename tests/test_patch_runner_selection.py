@@ -1,51 +1,85 @@
-"""runner-selection on real vLLM with the vllm-omni 0.30.0 replica over each vllm-ascend replica.
+"""runner-selection on the installed vLLM + vllm-omni pair (0.31.0 + 0.31.0rc1 or 0.32.0 + 0.32.0rc1).
 
-One child per profile pair builds the deploy config through the (patched) loader, then NPU
-workers for a V2 AR stage (0) and a V1 DAC stage (1) with vLLM's real VllmConfig, with the
-process-wide default (VLLM_USE_V2_MODEL_RUNNER, read by vLLM-Ascend's property) set against
-each stage; then the same with the patch removed, to show what it changes.
+Everything vllm-omni is the published code: the deploy loader (``vllm_omni.config``: YAML ->
+``load_deploy_config`` -> ``merge_pipeline_deploy`` and ``VllmOmniConfig.from_pipeline_config``)
+and the NPU workers. Stand-ins only for what cannot import here: vllm-ascend (each profile under
+tests/replicas/) and vllm-omni's NPU model runner modules (tests/support/replicas.py). One child
+per vllm-ascend profile loads the shipped deploy YAMLs on npu, then builds NPU workers for a V2 AR
+stage (0) and a V1 DAC stage (1) with vLLM's real VllmConfig, with the process-wide default
+(VLLM_USE_V2_MODEL_RUNNER, read by vLLM-Ascend's property) set against each stage; then the same
+with the patch removed, to show what it changes.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from tests.support.replicas import ASCEND_032, ASCEND_MAIN, OMNI_030, npu_env, profile, profile_paths
+from tests.support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
 from tests.support.subproc import ROOT, run_python
 
 pytestmark = pytest.mark.vllm
 
 TARGETS = [
     "vllm_omni.config.stage_config:_apply_platform_overrides",
-    "vllm_omni.config.stage_config:_build_engine_args",
     "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.__init__",
     "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device",
     "vllm_omni.platforms.npu.worker.npu_generation_worker:NPUGenerationWorker.__init__",
 ]
+PROFILES = [ROOT / "drama3_patches" / "deploy" / name for name in ("drama3_910b_tp2_ep.yaml", "drama3_mxfp8_1card.yaml")]
 
-CHILD = r"""
+# What a child runs after npu_worker_prelude(): the platform vllm-omni resolves is made npu (its
+# NPU platform class needs vllm-ascend's), and Drama 3's two-stage topology is at hand.
+SETUP = r"""
 import json, logging, os, sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import drama3_patches
 from drama3_patches._bootstrap import installed_finder
-if installed_finder() is None:
-    drama3_patches.apply()
 
-from vllm.config import DeviceConfig, VllmConfig
+import vllm_omni
+import vllm_omni.platforms
+vllm_omni.platforms.current_omni_platform = SimpleNamespace(device_name="npu")
 
-import vllm_omni.config.stage_config as sc
 import vllm_omni.config.omni_config as oc
+import vllm_omni.config.stage_config as sc
+from vllm_omni.config import load_deploy_config, merge_pipeline_deploy
+
+try:
+    from vllm_omni.model_executor.models.fish_omni.pipeline import FISH_OMNI_PIPELINE as PIPELINE
+except ImportError:  # 0.31.0rc1 has no fish_omni: the same topology, built here
+    PIPELINE = sc.PipelineConfig(model_type="fish_omni", model_arch="FishOmniForConditionalGeneration", stages=(
+        sc.StagePipelineConfig(stage_id=0, model_stage="fish_omni", execution_type=sc.StageExecutionType.LLM_AR,
+                               owns_tokenizer=True, engine_output_type="latent"),
+        sc.StagePipelineConfig(stage_id=1, model_stage="dac_decoder", model_arch="FishSpeechDACDecoder",
+                               execution_type=sc.StageExecutionType.LLM_GENERATION, input_sources=(0,),
+                               final_output=True, final_output_type="audio", engine_output_type="audio"),
+    ))
+SHIPPED = Path(vllm_omni.__file__).parent / "deploy" / "fish_omni.yaml"
+YAMLS = ([str(SHIPPED)] if SHIPPED.exists() else []) + sys.argv[1:]
+
+def err(fn):
+    try:
+        return fn()
+    except Exception as exc:
+        return type(exc).__name__ + ": " + str(exc)
+
+def mine(key="target_states"):
+    st = {p["id"]: p for p in drama3_patches.status()["patches"]}["runner-selection"]
+    return st if key is None else st[key]
+"""
+
+CHILD = SETUP + r"""
+if installed_finder() is None:  # no start-up hook in this environment: patch what is imported
+    drama3_patches.apply()
+from vllm.config import DeviceConfig, VllmConfig
 from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
 from vllm_omni.platforms.npu.worker.npu_generation_worker import NPUGenerationWorker
 from vllm_omni.worker_v2.omni_ar_model_runner import OmniARModelRunner
 from vllm_ascend.worker.v2.model_runner import NPUModelRunner as AscendV2
 import vllm_ascend.worker.v2.utils as cuda_wrapper_module
-import vllm_ascend.utils
-vllm_ascend.utils.adapt_patch()  # as NPUWorker.__init__ does: vLLM-Ascend's use_v2_model_runner
 
 messages = []
 class Grab(logging.Handler):
@@ -54,22 +88,32 @@ class Grab(logging.Handler):
 logging.getLogger("vllm.drama3_patches").addHandler(Grab())
 logging.getLogger("vllm.drama3_patches").setLevel(logging.INFO)
 
-out = {}
-st = {p["id"]: p for p in drama3_patches.status()["patches"]}["runner-selection"]
-out.update(state=st["state"], reason=st["reason"], targets=st["targets"])
+out = {"yamls": [Path(p).name for p in YAMLS]}
+st = mine(None)
+out.update(state=st["state"], reason=st["reason"], targets=st["targets"],
+           worker_files={k: sys.modules[k].__file__ for k in (
+               "vllm_omni.platforms.npu.worker.npu_ar_worker", "vllm_omni.platforms.npu.worker.base",
+               "vllm_omni.platforms.npu.worker.npu_ar_model_runner", "vllm_omni.config.stage_config")})
 
 
-def err(fn):
-    try:
-        return fn()
-    except Exception as exc:
-        return type(exc).__name__ + ": " + str(exc)
+def stage_runners(path):
+    r = {}
+    d = sc._apply_platform_overrides(load_deploy_config(path), "npu")
+    r["direct"] = [d.model_runner, {s.stage_id: sc.resolve_stage_model_runner(d, s) for s in d.stages}]
+    # The load path vLLM-Omni serves with: platform=None -> the current (npu) platform.
+    legacy = merge_pipeline_deploy(PIPELINE, load_deploy_config(path))
+    r["legacy"] = {s.stage_id: [s.yaml_engine_args["use_v2_model_runner"], s.yaml_runtime.get("devices"),
+                                s.yaml_engine_args.get("block_size")] for s in legacy}
+    typed = oc.VllmOmniConfig.from_pipeline_config(PIPELINE, deploy_config_path=path)
+    r["typed"] = {s.stage_id: s.model_config.use_v2_model_runner for s in typed.stage_configs}
+    r["xpu"] = err(lambda: sc._apply_platform_overrides(load_deploy_config(path), "xpu"))
+    r["cuda"] = err(lambda: sc._apply_platform_overrides(load_deploy_config(path), "cuda").model_runner)
+    return r
 
 
 def deploy_checks():
-    r = {}
+    r = {"yamls": {Path(p).name: err(lambda: stage_runners(p)) for p in YAMLS}}
     r["npu_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2"), "npu").model_runner)
-    # platform=None: vLLM-Omni's current platform; the replica has none, so the patch's own (npu).
     r["default_platform_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2")).model_runner)
     d = sc.DeployConfig(
         model_runner="v1",
@@ -80,35 +124,25 @@ def deploy_checks():
     res = err(lambda: sc._apply_platform_overrides(d, "npu"))
     r["section_v2"] = res if isinstance(res, str) else [res.model_runner, res.stages[0].devices, res.stages[0].max_num_seqs]
     r["platforms_unchanged"] = json.dumps(d.platforms, sort_keys=True) == before
-    r["section_v1_wins"] = err(lambda: sc._apply_platform_overrides(
-        sc.DeployConfig(model_runner="v2", platforms={"npu": {"model_runner": "v1"}}), "npu").model_runner)
+    # platforms.npu.model_runner: v1 falls back for every stage, stage-level v2 included.
+    fb = sc.DeployConfig(stages=[sc.StageDeployConfig(stage_id=0, model_runner="v2")],
+                         platforms={"npu": {"model_runner": "v1"}})
+    res = err(lambda: sc._apply_platform_overrides(fb, "npu"))
+    r["section_v1_fallback"] = res if isinstance(res, str) else [res.model_runner, res.stages[0].model_runner]
     r["section_bad"] = err(lambda: sc._apply_platform_overrides(
         sc.DeployConfig(platforms={"npu": {"model_runner": "v3"}}), "npu"))
-    r["xpu_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2"), "xpu"))
-    r["alias_v2"] = err(lambda: oc.resolve_deploy(sc.DeployConfig(model_runner="v2"), "npu").model_runner)
-    r["engine_args"] = sc._build_engine_args(None, None, None, sc.DeployConfig(model_runner="v2"), None)
-    # The shipped NPU deploy config, through both of vLLM-Omni's config paths.
-    def shipped():
-        d = sc._apply_platform_overrides(sc.load_deploy_config(sys.argv[1]), "npu")
-        stages = {}
-        for ds in d.stages:
-            legacy = sc._build_engine_args(None, ds, None, d, None)
-            typed = oc._build_model_config(None, d, None, ds, oc._stage_engine_overrides(ds))
-            stages[ds.stage_id] = [legacy["use_v2_model_runner"], typed["use_v2_model_runner"],
-                                   "model_runner" in legacy, ds.engine_extras.get("block_size")]
-        again = sc._apply_platform_overrides(d, "npu")  # vLLM-Omni may merge twice
-        return {"deploy": d.model_runner, "stages": stages, "again": again.model_runner,
-                "again_stage1": again.stages[1].engine_extras.get("use_v2_model_runner")}
-    r["shipped"] = err(shipped)
-    bad = sc.DeployConfig(stages=[sc.StageDeployConfig(stage_id=1, engine_extras={"model_runner": "v3"})],
-                          platforms={"npu": {"model_runner": "v2"}})
-    r["stage_bad"] = err(lambda: sc._apply_platform_overrides(bad, "npu"))
+    r["stage_bad"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(
+        stages=[sc.StageDeployConfig(stage_id=1)],
+        platforms={"npu": {"stages": [{"stage_id": 1, "model_runner": "v3"}]}}), "npu"))
+    r["xpu_stage_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(
+        stages=[sc.StageDeployConfig(stage_id=0, model_runner="v2")]), "xpu"))
+    r["alias_same"] = oc._apply_platform_overrides is sc._apply_platform_overrides
     return r
 
 
 def config(stage_id, v2):
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    mc = SimpleNamespace(stage_id=stage_id, model_stage=("ar" if stage_id == 0 else "dac"))
+    mc = SimpleNamespace(stage_id=stage_id, model_stage=("fish_omni" if stage_id == 0 else "dac_decoder"))
     if v2 is not None:
         mc.use_v2_model_runner = v2
     cfg.model_config = mc
@@ -122,10 +156,11 @@ def worker(cls, stage_id, v2, process_default):
     cfg = config(stage_id, v2)
     if process_default is not None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = process_default
-    r = {"process_default": cfg.use_v2_model_runner}
+    r = {}
     messages.clear()
     try:
         w = cls(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1")
+        r["process_default"] = cfg.use_v2_model_runner
         r["flag"] = w.use_v2_model_runner
         entries = cuda_wrapper_module.entries
         w.init_device()
@@ -162,61 +197,68 @@ print("RESULT " + json.dumps(out))
 """
 
 
-SHIPPED_DEPLOY = ROOT / "drama3_patches" / "deploy" / "drama3_910b_tp2_ep.yaml"
-
-
-def _run(paths) -> dict:
-    proc = run_python(CHILD, env=npu_env(), pythonpath=paths, args=[str(SHIPPED_DEPLOY)])
+def _run(code: str, paths, args=(), **env) -> dict:
+    proc = run_python(npu_worker_prelude() + code, env=npu_env(**env), pythonpath=paths, args=[str(a) for a in args])
     return json.loads(proc.stdout.split("RESULT ")[-1])
 
 
 @pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
 def result(request):
-    return request.param, _run(profile_paths(request.param, OMNI_030))
+    return request.param, _run(CHILD, profile_paths(request.param), PROFILES)
 
 
-def test_applied_with_all_five_targets(result):
+def test_applied_with_its_targets_on_the_published_workers_and_loader(result):
     _, out = result
     assert out["state"] == "applied", out["reason"]
     assert out["targets"] == TARGETS
+    files = out["worker_files"]
+    # The published vllm-omni (site-packages), except the runner module that needs vllm-ascend.
+    for module in ("vllm_omni.platforms.npu.worker.npu_ar_worker", "vllm_omni.platforms.npu.worker.base",
+                   "vllm_omni.config.stage_config"):
+        assert "site-packages" in files[module] and "replicas" not in files[module], files[module]
+    assert "replicas" in files["vllm_omni.platforms.npu.worker.npu_ar_model_runner"]
 
 
-def test_deploy_loader_accepts_v2_on_npu_only(result):
+def test_deploy_files_load_on_npu_with_stage_0_on_v2_and_stage_1_on_v1(result):
+    _, out = result
+    yamls = out["patched"]["deploy"]["yamls"]
+    expected = {"drama3_910b_tp2_ep.yaml", "drama3_mxfp8_1card.yaml"}
+    if installed("vllm-omni") == "0.32.0rc1":
+        expected.add("fish_omni.yaml")  # the published Drama 3 deploy
+    assert set(yamls) == expected
+    for name, r in yamls.items():
+        assert not isinstance(r, str), (name, r)
+        assert r["direct"][1] == {"0": "v2", "1": "v1"}, name
+        assert {k: v[0] for k, v in r["legacy"].items()} == {"0": True, "1": False}, name
+        assert r["typed"] == {"0": True, "1": False}, name
+        assert r["xpu"].startswith("NotImplementedError: Model Runner V2 is not supported on XPU"), name
+        assert r["cuda"] == "v1", name
+    tp2 = yamls["drama3_910b_tp2_ep.yaml"]["legacy"]
+    assert tp2["0"][1:] == ["0,1", 128] and tp2["1"][1] == "1"  # platforms.npu overrides merged
+
+
+def test_deploy_loader_rules_on_npu_stay_upstreams(result):
     _, out = result
     deploy = out["patched"]["deploy"]
     assert deploy["npu_v2"] == "v2"
     assert deploy["default_platform_v2"] == "v2"
     assert deploy["section_v2"] == ["v2", "0,1", 64]  # stage overrides still merged
     assert deploy["platforms_unchanged"] is True
-    assert deploy["section_v1_wins"] == "v1"
+    assert deploy["section_v1_fallback"] == ["v1", None]
     assert deploy["section_bad"].startswith("ValueError: platform model_runner must be one of")
-    assert deploy["xpu_v2"].startswith("NotImplementedError: Model Runner V2 is not supported on XPU")
-    assert deploy["alias_v2"] == "v2"  # omni_config's `from ... import` name reaches the patch
-    assert deploy["engine_args"] == {"use_v2_model_runner": True}
-    assert deploy["stage_bad"] == "ValueError: stage 1: model_runner must be one of ('v1', 'v2'), got 'v3'"
+    assert deploy["stage_bad"].startswith("ValueError: stage 1: model_runner must be 'v1' or 'v2'")
+    assert deploy["xpu_stage_v2"].startswith("NotImplementedError: Model Runner V2 is not supported on XPU")
+    assert deploy["alias_same"] is True  # omni_config's `from ... import` name is rebound too
 
 
-def test_shipped_deploy_config_puts_stage_0_on_v2_and_stage_1_on_v1(result):
-    _, out = result
-    shipped = out["patched"]["deploy"]["shipped"]
-    assert shipped["deploy"] == "v2"  # platforms.npu.model_runner
-    # [legacy engine args, structured model config, stray model_runner key, platform block_size]
-    assert shipped["stages"] == {"0": [True, True, False, 128], "1": [False, False, False, None]}
-    assert shipped["again"] == "v2" and shipped["again_stage1"] is False
-
-
-def test_shipped_deploy_config_is_refused_without_the_patch(result):
-    _, out = result
-    assert out["unpatched"]["deploy"]["shipped"].startswith(
-        "NotImplementedError: Model Runner V2 is not supported on NPU")
-
-
-def test_deploy_loader_refused_v2_on_npu_before(result):
+def test_without_the_patch_the_loader_refuses_every_v2_on_npu(result):
     _, out = result
     deploy = out["unpatched"]["deploy"]
+    for name, r in deploy["yamls"].items():
+        assert r.startswith("NotImplementedError: Model Runner V2 is not supported on NPU"), name
     assert deploy["npu_v2"].startswith("NotImplementedError: Model Runner V2 is not supported on NPU")
     assert deploy["section_v2"].startswith("NotImplementedError")
-    assert deploy["alias_v2"].startswith("NotImplementedError")
+    assert deploy["section_v1_fallback"] == ["v1", None]  # a V1 fallback was accepted before, too
 
 
 def test_ar_stage_on_v2_builds_the_npu_omni_v2_runner_under_the_cuda_wrapper(result):
@@ -227,11 +269,11 @@ def test_ar_stage_on_v2_builds_the_npu_omni_v2_runner_under_the_cuda_wrapper(res
     assert w["runner_module"] == "drama3_patches.patches._npu_omni_ar_runner"
     assert w["omni_on_ascend_v2"] is True
     assert w["event_at_init"] == "NPUEventStandIn"  # torch.cuda.Event was torch.npu's while building
-    assert w["wrapper_entries"] >= 1
+    assert w["wrapper_entries"] == 2  # ours around the whole Omni runner, vLLM-Ascend's inside it
     assert w["instance_runner_cls_left"] is False
     assert w["lora_forwarding"] is True
     assert len(w["log"]) == 1 and w["log"][0].startswith("Using MR v2 NPUOmniARModelRunner")
-    assert "stage 0 (ar)" in w["log"][0]
+    assert "stage 0 (fish_omni)" in w["log"][0]
 
 
 def test_stage_choice_overrides_the_process_default(result):
@@ -241,7 +283,7 @@ def test_stage_choice_overrides_the_process_default(result):
         w = workers[key]
         assert w["process_default"] is True and w["flag"] is False, key
         assert w["runner"] == "NPUARModelRunner", key
-        assert w["log"] == ["Using MR v1 NPUARModelRunner on NPU for stage 0 (ar)"], key
+        assert w["log"] == ["Using MR v1 NPUARModelRunner on NPU for stage 0 (fish_omni)"], key
     gen = workers["gen_stage_v1_default_v2"]
     assert gen["process_default"] is True and gen["flag"] is False
     assert gen["runner"] == "NPUGenerationModelRunner"
@@ -250,7 +292,7 @@ def test_stage_choice_overrides_the_process_default(result):
 def test_dac_stage_refuses_v2_naming_the_stage(result):
     _, out = result
     error = out["patched"]["workers"]["gen_stage_v2"]["error"]
-    assert error.startswith("ValueError: stage 1 (dac) runs on NPUGenerationWorker")
+    assert error.startswith("ValueError: stage 1 (dac_decoder) runs on NPUGenerationWorker")
     assert "set `model_runner: v1` for this stage" in error
 
 
@@ -265,7 +307,7 @@ def test_without_the_patch_workers_ignore_the_stage(result):
     assert "error" not in workers["gen_stage_v2"]
 
 
-SHIPPED = '''\
+SHIPPED_RUNNER = '''\
 # SYNTHETIC: a vLLM-Omni NPU V2 AR runner as a future release might ship it (none does yet).
 from vllm_ascend.worker.v2.model_runner import NPUModelRunner
 from vllm_omni.worker_v2.omni_ar_model_runner import OmniARModelRunner
@@ -275,44 +317,38 @@ class ShippedNPUOmniARModelRunner(OmniARModelRunner, NPUModelRunner):
     pass
 '''
 
+# Started with DRAMA3_PATCHES=0: each variant is in place before the plan runs.
+VARIANTS = SETUP + r"""
+import vllm_omni.platforms.npu.worker as npu_worker_package
+npu_worker_package.__path__.insert(0, sys.argv[1])  # a runner vllm-omni would ship beside its own
 
-def test_a_runner_that_vllm_omni_ships_is_used_instead(tmp_path):
-    omni = tmp_path / "omni_with_npu_v2_runner"
-    shutil.copytree(profile(OMNI_030), omni)
-    (omni / "vllm_omni/platforms/npu/worker/npu_v2_ar_model_runner.py").write_text(SHIPPED)
-    out = _run([profile(ASCEND_MAIN), omni])
-    w = out["patched"]["workers"]["ar_stage_v2_default_v1"]
-    assert w["runner"] == "ShippedNPUOmniARModelRunner"
-    assert w["runner_module"] == "vllm_omni.platforms.npu.worker.npu_v2_ar_model_runner"
-    assert w["event_at_init"] == "NPUEventStandIn"
-    assert w["log"][0].startswith("Using MR v2 ShippedNPUOmniARModelRunner")
+real_loader = sc._apply_platform_overrides
+def accepting_loader(deploy, platform=None):
+    # SYNTHETIC: a loader that refuses Model Runner V2 on xpu only.
+    if platform == "npu":
+        return real_loader(deploy, "npu-accepting")
+    return real_loader(deploy, platform)
+accepting_loader.__module__ = sc.__name__
+sc._apply_platform_overrides = accepting_loader
+drama3_patches.apply()
+
+from vllm.config import DeviceConfig, VllmConfig
+from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
+out = {"loader": mine()[sys.argv[2]]}
+cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+cfg.model_config = SimpleNamespace(stage_id=0, model_stage="fish_omni", use_v2_model_runner=True)
+w = NPUARWorker(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1")
+w.init_device()
+out["runner"] = [type(w.model_runner).__name__, type(w.model_runner).__module__]
+print("RESULT " + json.dumps(out))
+"""
 
 
-FIXED_LOADER = '''
-    if deploy.model_runner == "v2" and platform in {"npu", "xpu"}:'''
-
-
-def test_loader_not_needed_when_vllm_omni_accepts_v2_on_npu(tmp_path):
-    omni = tmp_path / "omni_loader_accepts_npu_v2"
-    shutil.copytree(profile(OMNI_030), omni)
-    stage_config = omni / "vllm_omni/config/stage_config.py"
-    text = stage_config.read_text()
-    assert FIXED_LOADER in text
-    stage_config.write_text(
-        "# SYNTHETIC variant: the loader refuses V2 on xpu only.\n"
-        + text.replace(FIXED_LOADER, FIXED_LOADER.replace('{"npu", "xpu"}', '{"xpu"}'))
-    )
-    proc = run_python(
-        """
-        import json, drama3_patches
-        drama3_patches.apply()
-        import vllm_omni.config.stage_config
-        st = {p["id"]: p for p in drama3_patches.status()["patches"]}["runner-selection"]
-        print("RESULT " + json.dumps(st["target_states"]))
-        """,
-        env=npu_env(), pythonpath=[profile(ASCEND_MAIN), omni],
-    )
-    states = json.loads(proc.stdout.split("RESULT ")[-1])
-    loader = states[TARGETS[0]]
-    assert loader["state"] == "not-needed"
-    assert "already accepts model_runner v2 on npu" in loader["reason"]
+def test_upstream_fixes_are_detected_by_behaviour(tmp_path):
+    (tmp_path / "npu_v2_ar_model_runner.py").write_text(SHIPPED_RUNNER)
+    out = _run(VARIANTS, profile_paths(ASCEND_MAIN), [tmp_path, TARGETS[0]], DRAMA3_PATCHES="0")
+    # A loader that accepts v2 on npu: that target is not needed (the workers still are).
+    assert out["loader"]["state"] == "not-needed"
+    assert "already accepts model_runner v2 on npu" in out["loader"]["reason"]
+    # A V2 AR runner that vLLM-Omni ships (OmniARModelRunner on vLLM-Ascend's V2) is built instead.
+    assert out["runner"] == ["ShippedNPUOmniARModelRunner", "vllm_omni.platforms.npu.worker.npu_v2_ar_model_runner"]

@@ -1,65 +1,77 @@
 """``drama3-patches status --import-targets`` for runner-selection, lora-count-forwarding and
-mamba-prefill-end: applied with their targets where the replicas stand in for an Ascend host,
-skipped with the reason on this CPU host without vllm-omni or vllm-ascend."""
+mamba-prefill-end on the installed vLLM + vllm-omni pair: applied where vllm-ascend stand-ins
+make this host look like an Ascend one, skipped or failed with the reason otherwise."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from tests.support.replicas import ASCEND_032, ASCEND_MAIN, OMNI_030, npu_env, profile_paths
-from tests.support.subproc import run_cli
+from tests.support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
+from tests.support.subproc import child_env, run_cli
 
 pytestmark = pytest.mark.vllm
 
 MINE = ("runner-selection", "lora-count-forwarding", "mamba-prefill-end")
+ARGS = ["status", "--import-targets", "--json"]
 
 
-def _status(env, pythonpath=None) -> dict:
-    proc = run_cli("status", "--import-targets", "--json", env=env, pythonpath=pythonpath)
+def _parse(proc) -> dict:
     assert proc.returncode in (0, 1), proc.stderr
-    data = json.loads(proc.stdout)
-    return {p["id"]: p for p in data["patches"] if p["id"] in MINE} | {"_versions": data["versions"]}
+    data = json.loads(proc.stdout[proc.stdout.index("{"):])
+    got = {p["id"]: p for p in data["patches"] if p["id"] in MINE}
+    return got | {"_versions": data["versions"], "_rc": proc.returncode}
+
+
+def _status_with_npu_workers(ascend: str) -> dict:
+    # The command, run after the prelude that puts the NPU runner stand-ins in the real package.
+    code = npu_worker_prelude() + f"import sys\nfrom drama3_patches.cli import main\nsys.exit(main({ARGS!r}))\n"
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(npu_env(), profile_paths(ascend)),
+                          capture_output=True, text=True, timeout=600)
+    return _parse(proc)
 
 
 @pytest.mark.parametrize("ascend", [ASCEND_MAIN, ASCEND_032])
 def test_applied_with_targets_on_npu_with_a_profile(ascend):
-    got = _status(npu_env(), profile_paths(ascend, OMNI_030))
-    assert got["_versions"]["vllm-omni"] == "0.30.0"
+    got = _status_with_npu_workers(ascend)
+    assert got["_versions"]["vllm-omni"] == installed("vllm-omni")
     assert got["_versions"]["vllm-ascend"] is not None
     for pid in MINE:
         assert got[pid]["state"] == "applied", (pid, got[pid]["reason"])
-        assert got[pid]["targets"], pid
         for target, state in got[pid]["target_states"].items():
             assert state["state"] == "applied", (pid, target, state)
     assert "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device" in got["runner-selection"]["targets"]
 
 
 def test_skipped_on_a_plain_cpu_host():
-    got = _status({"DRAMA3_PATCHES": "1"})
+    got = _parse(run_cli(*ARGS, env={"DRAMA3_PATCHES": "1"}))
     for pid in MINE:
         assert got[pid]["state"] == "skipped", pid
         assert got[pid]["reason"] == "platform cpu not in ['npu']", pid
 
 
-def test_skipped_without_vllm_omni_even_when_told_npu():
-    got = _status(npu_env())
-    assert got["_versions"]["vllm-omni"] is None
-    for pid in ("runner-selection", "lora-count-forwarding"):
-        assert got[pid]["state"] == "skipped"
-        assert "vllm-omni" in got[pid]["reason"] and "not installed" in got[pid]["reason"], got[pid]["reason"]
-    assert got["mamba-prefill-end"]["state"] == "skipped"
-    assert "vllm-ascend" in got["mamba-prefill-end"]["reason"]
-
-
-def test_omni_032_profile_without_worker_stand_ins_is_skipped_with_the_reason():
-    # The omni_032 profile mirrors only the port's Drama 3 model files (no public 0.32 source
-    # for the deploy loader or the NPU workers): the version guards pass, the targets are
-    # absent, and status says which module is missing instead of claiming anything applied.
-    got = _status(npu_env(), profile_paths(ASCEND_032, "omni_032"))
-    assert got["_versions"]["vllm-omni"] == "0.32.0"
-    for pid in ("runner-selection", "lora-count-forwarding"):
+def test_skipped_without_vllm_ascend_even_when_told_npu():
+    got = _parse(run_cli(*ARGS, env=npu_env()))
+    assert got["_versions"]["vllm-ascend"] is None
+    for pid in MINE:
         assert got[pid]["state"] == "skipped", pid
-        assert "cannot be imported" in got[pid]["reason"] and "ModuleNotFoundError" in got[pid]["reason"], pid
+        assert "vllm-ascend" in got[pid]["reason"] and "not installed" in got[pid]["reason"], got[pid]["reason"]
+
+
+def test_npu_workers_that_cannot_import_fail_loudly():
+    # vllm-ascend present (a stand-in), but nothing stands in for the published NPU runner modules,
+    # which import vllm-ascend internals: the worker targets are inside every range and absent.
+    proc = run_cli(*ARGS, env=npu_env(), pythonpath=profile_paths(ASCEND_MAIN))
+    got = _parse(proc)
+    assert got["_rc"] == 1
+    rs = got["runner-selection"]
+    assert rs["state"] == "failed"
+    assert "npu_ar_worker" in rs["reason"] and "cannot be imported" in rs["reason"], rs["reason"]
+    assert "ModuleNotFoundError" in rs["reason"]
+    # The loader target applies all or none with the workers.
+    loader = rs["target_states"]["vllm_omni.config.stage_config:_apply_platform_overrides"]
+    assert loader["state"] == "failed"
     assert got["mamba-prefill-end"]["state"] == "applied"

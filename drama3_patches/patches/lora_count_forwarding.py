@@ -1,10 +1,11 @@
 """lora-count-forwarding: the NPU Omni V2 AR runner hands ``num_active_loras`` on when it can.
 
-vLLM's MR V2 ``execute_model`` calls ``prepare_inputs(scheduler_output, batch_req_state,
-batch_desc, num_active_loras)``; vLLM-Omni 0.30's ``OmniGPUModelRunner.execute_model`` calls it
-with the first three only. Below them, vLLM-Ascend's ``NPUModelRunner.prepare_inputs`` takes
-three arguments on public main and four (the count required) in the 0.32 line. Whatever the
-pairing, one side gets the wrong number of arguments.
+vLLM's MR V2 ``execute_model`` and vLLM-Omni 0.31.0rc1/0.32.0rc1's
+``OmniGPUModelRunner.execute_model`` call ``prepare_inputs(scheduler_output, batch_req_state,
+batch_desc, num_active_loras)``. Below them, vLLM-Ascend's V2 ``NPUModelRunner.prepare_inputs``
+takes three arguments on public main (182b75ea84) -- a TypeError at the first step -- and, per the
+port, four (the count required) in its 0.32 line. Whatever the pairing, the NPU Omni V2 AR runner
+must fit the call to its parent.
 
 The replacement accepts ``num_active_loras`` positionally, by keyword or not at all, and
 forwards it exactly when the parent's ``prepare_inputs`` (the next one in the MRO) names it --

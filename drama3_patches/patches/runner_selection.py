@@ -1,15 +1,19 @@
 """runner-selection: each vLLM-Omni stage on NPU runs the model runner its deploy config names.
 
-Five targets, all in vLLM-Omni:
+Four targets, all in vLLM-Omni:
 
-* the deploy loader ``_apply_platform_overrides`` stops refusing ``model_runner: v2`` for the
-  ``npu`` platform (``xpu`` keeps its error); a ``platforms.npu.model_runner`` entry still works;
-  on npu a stage's own ``model_runner`` key becomes that stage's ``use_v2_model_runner``, which
-  ``_build_engine_args`` then honours instead of refusing it;
+* the deploy loader ``_apply_platform_overrides`` stops refusing ``model_runner: v2`` on ``npu``
+  (``xpu`` keeps its error). vLLM-Omni 0.31/0.32 already carry a per-stage ``model_runner``
+  (``resolve_stage_model_runner``: the stage's, else the deploy's) and ``_build_engine_args`` turns
+  it into each stage's ``use_v2_model_runner``; only the loader's NPU refusal (raised when the
+  deploy or any stage asks for v2) stands in the way. The wrapper lets the original merge the
+  ``npu`` section under a name it does not refuse, so every merge rule (the section's
+  ``model_runner``, its V1 fallback that clears stage-level v2, stage overrides) stays upstream's;
 * ``NPUARWorker.__init__`` and ``NPUGenerationWorker.__init__`` take ``use_v2_model_runner`` from
   their own stage's ``model_config`` (default False), right after the parent constructor set the
-  process-wide value (vLLM's property, replaced by vLLM-Ascend's), so ``init_device`` sees it;
-  the generation (DAC) worker refuses V2, naming its stage;
+  process-wide value (vLLM's property, replaced by vLLM-Ascend's and vLLM-Omni's, whichever was
+  installed last), so ``init_device`` sees it; the generation (DAC) worker refuses V2, naming its
+  stage;
 * ``NPUARWorker.init_device`` builds the NPU Omni V2 AR runner when its stage asks for V2 (one
   that the installed vLLM-Omni ships, else ours: ``_npu_omni_ar_runner``), constructed inside
   vLLM-Ascend's ``torch_cuda_wrapper()``, and the V1 runner otherwise; it logs which one.
@@ -17,12 +21,10 @@ Five targets, all in vLLM-Omni:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
-import inspect
 import pkgutil
-import sys
-from types import SimpleNamespace
 
 from drama3_patches.logger import init_logger
 from drama3_patches.patchlib import PatchContext, wrap
@@ -30,7 +32,6 @@ from drama3_patches.patchlib import PatchContext, wrap
 logger = init_logger(__name__)
 
 DEPLOY_LOADER = "vllm_omni.config.stage_config:_apply_platform_overrides"
-ENGINE_ARGS = "vllm_omni.config.stage_config:_build_engine_args"
 AR_INIT = "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.__init__"
 AR_INIT_DEVICE = "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device"
 GENERATION_INIT = "vllm_omni.platforms.npu.worker.npu_generation_worker:NPUGenerationWorker.__init__"
@@ -41,6 +42,9 @@ CUDA_WRAPPER = "vllm_ascend.worker.v2.utils:torch_cuda_wrapper"
 # Where a vLLM-Omni release would put an NPU V2 runner of its own.
 SHIPPED_RUNNER_PACKAGES = ("vllm_omni.platforms.npu.worker", "vllm_omni.platforms.npu.worker_v2")
 
+# The name the npu section is merged under: any name outside the loader's {"npu", "xpu"} refusal.
+NPU_ALIAS = "npu (drama3-patches: model runner v2 allowed)"
+
 
 def _load(path: str):
     module, name = path.split(":")
@@ -50,17 +54,17 @@ def _load(path: str):
 # -- the deploy loader ------------------------------------------------------------------------
 
 
-def _refuses_v2_on_npu(original) -> bool:
-    module = sys.modules.get(original.__module__)
-    deploy_cls = getattr(module, "DeployConfig", None)
-    try:
-        probe = deploy_cls(model_runner="v2")
-    except Exception:
-        probe = SimpleNamespace(model_runner="v2", platforms=None, stages=[])
-    try:
-        original(probe, "npu")
-    except NotImplementedError:
-        return True
+def _refuses_v2_on_npu(original, module) -> bool:
+    """Whether the loader raises NotImplementedError for v2 on npu, asked at deploy or stage level."""
+    probes = [lambda: module.DeployConfig(model_runner="v2")]
+    if "model_runner" in {f.name for f in dataclasses.fields(module.StageDeployConfig)}:
+        probes.append(lambda: module.DeployConfig(
+            stages=[module.StageDeployConfig(stage_id=0, model_runner="v2")]))
+    for probe in probes:
+        try:
+            original(probe(), "npu")
+        except NotImplementedError:
+            return True
     return False
 
 
@@ -82,66 +86,15 @@ def _deploy_loader(ctx: PatchContext, original):
             return original(deploy, platform)
         platforms = deploy.platforms
         section = (platforms or {}).get("npu")
-        runner = section.get("model_runner", deploy.model_runner) if isinstance(section, dict) else deploy.model_runner
-        if runner != "v2":
-            return original(deploy, resolved)  # v1, or a bad value the original reports
-        # Let the original merge everything else with V1 standing in for V2, then put V2 back.
-        saved_runner = deploy.model_runner
-        if isinstance(section, dict) and "model_runner" in section:
-            deploy.platforms = {
-                **platforms, "npu": {k: v for k, v in section.items() if k != "model_runner"},
-            }
-        deploy.model_runner = "v1"
+        if section is not None:
+            deploy.platforms = {**platforms, NPU_ALIAS: section}
         try:
-            result = original(deploy, resolved)
-        except BaseException:
-            deploy.model_runner = saved_runner
-            raise
+            # Upstream's merge of the npu section, word for word; only the refusal keys on the name.
+            return original(deploy, NPU_ALIAS)
         finally:
             deploy.platforms = platforms
-        result.model_runner = "v2"
-        return _stage_runner_choices(result)
 
     return _apply_platform_overrides
-
-
-def _stage_runner_choices(deploy):
-    """A stage's own `model_runner: v1|v2` becomes its use_v2_model_runner engine override.
-
-    vLLM-Omni 0.30 leaves an unknown stage key in engine_extras, where the structured config
-    rejects it; use_v2_model_runner is a field it owns (the stage's value wins over the
-    deploy-level choice there, and _build_engine_args is patched to honour it too).
-    """
-    for stage in getattr(deploy, "stages", None) or []:
-        extras = getattr(stage, "engine_extras", None)
-        if not isinstance(extras, dict) or "model_runner" not in extras:
-            continue
-        runner = extras.pop("model_runner")
-        if runner not in ("v1", "v2"):
-            raise ValueError(f"stage {stage.stage_id}: model_runner must be one of ('v1', 'v2'), got {runner!r}")
-        extras["use_v2_model_runner"] = runner == "v2"
-    return deploy
-
-
-def _engine_args_builder(ctx: PatchContext, original):
-    signature = inspect.signature(original)
-
-    @wrap(original)
-    def _build_engine_args(*args, **kwargs):
-        ds = signature.bind(*args, **kwargs).arguments.get("ds")
-        extras = getattr(ds, "engine_extras", None)
-        if not isinstance(extras, dict) or "use_v2_model_runner" not in extras:
-            return original(*args, **kwargs)
-        # The original refuses the key in engine_extras; the stage's choice is ours to set.
-        stage_v2 = extras.pop("use_v2_model_runner")
-        try:
-            engine_args = original(*args, **kwargs)
-        finally:
-            extras["use_v2_model_runner"] = stage_v2
-        engine_args["use_v2_model_runner"] = bool(stage_v2)
-        return engine_args
-
-    return _build_engine_args
 
 
 # -- the workers' stage flag ------------------------------------------------------------------
@@ -267,7 +220,6 @@ def _ar_init_device(ctx: PatchContext, original):
 
 
 _BUILDERS = {
-    ENGINE_ARGS: _engine_args_builder,
     AR_INIT: _ar_init,
     AR_INIT_DEVICE: _ar_init_device,
     GENERATION_INIT: _generation_init,
@@ -279,7 +231,7 @@ def plan(ctx: PatchContext) -> dict:
     for target in ctx.targets:
         original = ctx.original(target)
         if target == DEPLOY_LOADER:
-            if not _refuses_v2_on_npu(original):
+            if not _refuses_v2_on_npu(original, ctx.owner(target)[0]):
                 ctx.leave(target, "the deploy loader already accepts model_runner v2 on npu")
                 continue
             out[target] = _deploy_loader(ctx, original)

@@ -1,26 +1,37 @@
-"""Upstream replica profiles (tests/replicas/<name>/): where they are and how a child uses them.
+"""Upstream stand-ins (tests/replicas/): where they are and how a child process uses them.
 
-A profile is a sys.path root of stand-ins for one upstream version of vllm-ascend or vllm-omni
-(with its dist-info, so version guards read it). Profiles are combined: an omni profile needs an
-ascend profile beside it, as vllm-omni's NPU workers subclass vllm-ascend's.
+Two kinds, both for code that cannot import on this CPU host:
+
+* vllm-ascend profiles (``ascend_*``): a sys.path root with a ``vllm_ascend`` package and its
+  dist-info (so version guards read it). vllm-ascend is not installed here, so nothing is shadowed.
+* vllm-omni NPU runner stand-ins (``omni_npu_<version>``), one per published vllm-omni: only the
+  modules of ``vllm_omni/platforms/npu/worker/`` that import vllm-ascend internals (the NPU model
+  runners). They are never a sys.path root: :func:`npu_worker_prelude` puts their folder at the
+  front of the REAL installed package's ``__path__``, so everything else -- the NPU workers
+  themselves, ``vllm_omni.config``, ``worker_v2`` -- is the published code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 REPLICAS = Path(__file__).resolve().parents[1] / "replicas"
 
-ASCEND_MAIN = "ascend_main_2608"      # vllm-ascend public main, 2026-08-22
-ASCEND_032 = "ascend_032"             # vllm-ascend 0.32 as the port used it
+ASCEND_MAIN = "ascend_main_2608"      # vllm-ascend public main, 2026-08-22 (182b75ea84)
+ASCEND_032 = "ascend_032"             # vllm-ascend 0.32 as the port describes it (not public)
 ASCEND_FIXED = "ascend_synthetic_fixed"  # synthetic: the Mamba manager already takes prefill_end
-OMNI_030 = "omni_030"                 # vllm-omni 0.30.0 wheel
+# vllm-omni 0.30.0 stand-in: cannot import beside vLLM 0.31/0.32; kept only while other suites name it.
+OMNI_030 = "omni_030"
 
-#: The real (non-synthetic) vllm-ascend profiles, each paired with vllm-omni 0.30.0.
+#: The vllm-ascend profiles that stand for real releases (main is public; 0.32 is the port's).
 ASCEND_PROFILES = (ASCEND_MAIN, ASCEND_032)
+
+#: Published vllm-omni version -> its NPU runner stand-ins.
+OMNI_NPU_RUNNERS = {"0.31.0rc1": "omni_npu_031rc1", "0.32.0rc1": "omni_npu_032rc1"}
+NPU_WORKER_PACKAGE = "vllm_omni.platforms.npu.worker"
 
 
 def profile(name: str) -> Path:
@@ -35,20 +46,47 @@ def profile_paths(*names: str) -> list[Path]:
     return [profile(n) for n in names]
 
 
+def installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def omni_npu_runners(version: str | None = None) -> Path:
+    """The folder of NPU runner stand-ins for ``version`` (default: the installed vllm-omni)."""
+    version = version or installed("vllm-omni")
+    if version not in OMNI_NPU_RUNNERS:
+        raise LookupError(f"no NPU runner stand-ins for vllm-omni {version!r}; have {sorted(OMNI_NPU_RUNNERS)}")
+    return profile(OMNI_NPU_RUNNERS[version]) / NPU_WORKER_PACKAGE.replace(".", "/")
+
+
+# flashinfer 0.7 (a vLLM dependency) reads CUDA device properties at import, and diffusers imports
+# it whenever it is installed; vllm_omni.worker_v2 reaches diffusers. Off CUDA, tell diffusers it
+# is absent, as it would be on a host without it.
+CPU_IMPORT_PRELUDE = """
+import torch as _torch
+if not _torch.cuda.is_available():
+    import diffusers.utils.import_utils as _diffusers_imports
+    _diffusers_imports._flashinfer_available = False
+"""
+
+
+def npu_worker_prelude(version: str | None = None) -> str:
+    """Code a child runs first: the real vllm-omni NPU worker package, with the runner stand-ins
+    for ``version`` found before the published runner modules (which need vllm-ascend internals)."""
+    folder = omni_npu_runners(version)
+    return CPU_IMPORT_PRELUDE + (
+        f"import {NPU_WORKER_PACKAGE} as _npu_worker_package\n"
+        f"_npu_worker_package.__path__.insert(0, {str(folder)!r})\n"
+    )
+
+
 def npu_env(**extra: str) -> dict[str, str]:
     """Environment of a child that applies the patches as on an Ascend host."""
     env = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu"}
     env.update(extra)
     return env
-
-
-def pythonpath_with(*names: str, base: str | None = None) -> str:
-    """A PYTHONPATH value with the profiles first, then ``base`` (default: the current one)."""
-    parts = [str(p) for p in profile_paths(*names)]
-    rest = os.environ.get("PYTHONPATH", "") if base is None else base
-    if rest:
-        parts.append(rest)
-    return os.pathsep.join(parts)
 
 
 @contextlib.contextmanager
@@ -68,3 +106,4 @@ def on_sys_path(*names: str):
             origin = getattr(sys.modules[name], "__file__", None) or ""
             if any(origin.startswith(root) for root in roots):
                 del sys.modules[name]
+

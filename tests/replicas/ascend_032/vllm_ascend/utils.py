@@ -1,6 +1,7 @@
-# Stand-in for vllm-project/vllm-ascend 0.32.0 as the Drama 3 port used it (not public; per the
-# port's review, it matches public main except where noted), after vllm_ascend/utils.py (adapt_patch), public main of
-# 2026-08-22 (commit 182b75ea84). Upstream imports the `vllm_ascend.patch.platform` package,
+# Stand-in for vllm-ascend 0.32 as the Drama 3 port describes it. No public source: no 0.31/0.32
+# branch or tag exists in vllm-project/vllm-ascend. Built from public main of 2026-08-22 (commit 182b75ea84),
+# vllm_ascend/utils.py, compared with that file; the port reports no difference in this file.
+# Upstream imports the `vllm_ascend.patch.platform` package,
 # whose __init__ imports patch_mamba_manager and patch_use_v2_model_runner; replica package
 # __init__ files stay empty, so this imports the two modules directly. Upstream calls
 # adapt_patch(is_global_patch=True) from vllm_ascend._ensure_global_patch (the general-plugin

@@ -1,6 +1,7 @@
-# Stand-in for vllm-project/vllm-ascend 0.32.0 as the Drama 3 port used it (not public; per the
-# port's review, it matches public main except where noted), after vllm_ascend/worker/worker.py (NPUWorker), public main of
-# 2026-08-22 (commit 182b75ea84). Kept: the class name, its real base (vLLM's WorkerBase), the
+# Stand-in for vllm-ascend 0.32 as the Drama 3 port describes it. No public source: no 0.31/0.32
+# branch or tag exists in vllm-project/vllm-ascend. Built from public main of 2026-08-22 (commit 182b75ea84),
+# vllm_ascend/worker/worker.py, compared with that file; the port reports no difference in this file.
+# Kept: the class name, its real base (vLLM's WorkerBase), the
 # constructor's signature, adapt_patch() before the parent constructor, the process-wide runner
 # choice `self.use_v2_model_runner = self.vllm_config.use_v2_model_runner` after it, and
 # init_device building the V2 runner (vllm_ascend.worker.v2.model_runner.NPUModelRunner) or the

@@ -1,19 +1,53 @@
-# Stand-in for vllm-project/vllm-ascend 0.32.0 as the Drama 3 port used it (not public; per the
-# port's review, it matches public main except where noted), after vllm_ascend/patch/platform/patch_mamba_manager.py,
-# public main of 2026-08-22 (commit 182b75ea84).
-# Kept: the class name, its real base (vLLM's MambaManager), the override's signature -- no
-# `prefill_end`, no **kwargs -- its call to the parent without `prefill_end`, the external-cache
-# block adjustment, and the module-level rebinding that makes vLLM build this manager.
+# Stand-in for vllm-ascend 0.32 as the Drama 3 port describes it. No public source: no 0.31/0.32
+# branch or tag exists in vllm-project/vllm-ascend. Built from public main of 2026-08-22 (commit 182b75ea84),
+# vllm_ascend/patch/platform/patch_mamba_manager.py, compared with that file; the port reports no difference in this file.
+# Same as main: AscendMambaManager with find_longest_cache_hit and get_num_blocks_to_allocate
+# overrides; the latter has no `prefill_end` and no **kwargs.
+# Kept as on main: the keyword pass-through of find_longest_cache_hit, the parent call without
+# `prefill_end`, the external-cache block adjustment, the module-level rebinding.
 from collections.abc import Sequence
 
 import vllm.v1.core.single_type_kv_cache_manager as single_type_kv_cache_manager
-from vllm.v1.core.single_type_kv_cache_manager import BlockPool, KVCacheBlock, MambaManager, MambaSpec
+from vllm.v1.core.single_type_kv_cache_manager import (
+    BlockHashList,
+    BlockPool,
+    KVCacheBlock,
+    KVCacheSpec,
+    MambaManager,
+    MambaSpec,
+)
 
 
 class AscendMambaManager(MambaManager):
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         self.block_size = kv_cache_spec.block_size
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        drop_eagle_block: bool = False,
+    ) -> tuple[list[KVCacheBlock], ...] | tuple[tuple[list[KVCacheBlock], ...], int]:
+        # Upstream forwards every argument by keyword to vLLM's method.
+        return super().find_longest_cache_hit(
+            block_hashes=block_hashes,
+            max_length=max_length,
+            kv_cache_group_ids=kv_cache_group_ids,
+            block_pool=block_pool,
+            kv_cache_spec=kv_cache_spec,
+            alignment_tokens=alignment_tokens,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            drop_eagle_block=drop_eagle_block,
+        )
 
     def get_num_blocks_to_allocate(
         self,

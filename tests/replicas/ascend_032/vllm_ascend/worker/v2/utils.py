@@ -1,6 +1,7 @@
-# Stand-in for vllm-project/vllm-ascend 0.32.0 as the Drama 3 port used it (not public; per the
-# port's review, it matches public main except where noted), after vllm_ascend/worker/v2/utils.py (torch_cuda_wrapper),
-# public main of 2026-08-22 (commit 182b75ea84). Upstream points torch.cuda.Event, Stream,
+# Stand-in for vllm-ascend 0.32 as the Drama 3 port describes it. No public source: no 0.31/0.32
+# branch or tag exists in vllm-project/vllm-ascend. Built from public main of 2026-08-22 (commit 182b75ea84),
+# vllm_ascend/worker/v2/utils.py, compared with that file; the port reports no difference in this file.
+# Upstream points torch.cuda.Event, Stream,
 # stream, default_stream, current_stream, graph_pool_handle, CUDAGraph, graph, synchronize,
 # set_stream, current_device and mem_get_info at their torch.npu counterparts and never
 # restores them (its `finally` is empty). This CPU host has no torch.npu: the stand-in points

@@ -1,10 +1,11 @@
 # Stand-in for vllm-project/vllm-ascend, vllm_ascend/worker/v2/model_runner.py (NPUModelRunner,
-# the Model Runner V2 for Ascend), public main of 2026-08-22 (commit 182b75ea84).
-# Kept: the class name, its real base (vLLM's MRv2 GPUModelRunner), construction of the parent
-# inside torch_cuda_wrapper(), and the signature of prepare_inputs on main for vLLM != 0.27.1:
-# (scheduler_output, batch_req_state, batch_desc) -- no num_active_loras.
-# The stand-in does not run GPUModelRunner.__init__ (it needs a loaded model on a device); it
-# records what it was given and what prepare_inputs received.
+# the Model Runner V2 for Ascend), public main of 2026-08-22 (commit 182b75ea84), compared with
+# that file. Kept: the class name, its real base (vLLM's MRv2 GPUModelRunner), construction of the
+# parent inside torch_cuda_wrapper(), and the signature of prepare_inputs on main for vLLM other
+# than 0.27.1 (line 434): (scheduler_output, batch_req_state, batch_desc) -- no num_active_loras.
+# The stand-in does not run GPUModelRunner.__init__ (it needs a loaded model on a device): inside
+# the wrapper it sets the config attributes that constructor sets first, then records what
+# prepare_inputs receives.
 import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
@@ -17,7 +18,13 @@ class NPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config, device: torch.device):
         with torch_cuda_wrapper():
             self.vllm_config = vllm_config
+            self.model_config = vllm_config.model_config
+            self.parallel_config = vllm_config.parallel_config
+            self.scheduler_config = vllm_config.scheduler_config
+            self.lora_config = vllm_config.lora_config
             self.device = device
+            # What a constructor running under the wrapper sees as torch.cuda.Event.
+            self.event_cls_at_init = torch.cuda.Event
         self.prepare_inputs_calls: list[tuple] = []
 
     def prepare_inputs(self, scheduler_output, batch_req_state, batch_desc):
