@@ -1,10 +1,10 @@
-"""fp8-expert-method on the port's ExpertFp8Config replica and vLLM-Ascend main replicas."""
+"""fp8-expert-method on the published ExpertFp8Config (vllm-omni 0.32.0rc1) and vLLM-Ascend main
+stand-ins (tests/replicas/ascend_main_2608).  The end-to-end load through vLLM's own loader is in
+test_fp8_loader.py."""
 
 from __future__ import annotations
 
 import sys
-import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,35 +13,53 @@ import torch
 from drama3_patches.kernels.fp8 import reference_dequant
 from drama3_patches.patchlib import NotNeeded, PatchContext
 from support import fake_npu
+from support.replicas import ASCEND_MAIN, profile_paths
 
 pytestmark = pytest.mark.vllm
 
-REPLICAS = Path(__file__).resolve().parent / "replicas"
-TARGET = "vllm_omni.model_executor.models.fish_omni.quantization:ExpertFp8Config.get_quant_method"
+MODULE = "vllm_omni.model_executor.models.fish_omni.quantization"
+TARGET = f"{MODULE}:ExpertFp8Config.get_quant_method"
 E, H, I, B = 3, 320, 192, 128  # I is not a multiple of the block: gate and up scales are per shard
 
 
+def _published_config_class():
+    """The real class, or a skip where this vllm-omni has no fish_omni (0.31.0rc1).  Import it
+    before the simulated npu is enabled: with torch.npu present vllm-omni picks its NPU platform,
+    which imports vllm_ascend.platform (not among the stand-ins)."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_omni.model_executor.models.fish_omni") is None:
+        pytest.skip("this vllm-omni has no published fish_omni (0.32.0rc1 does)")
+    return importlib.import_module(MODULE).ExpertFp8Config
+
+
 def _enable_patch(monkeypatch):
-    """Fresh process only: replicas on sys.path, the engine on, as on an NPU host."""
+    """Fresh process only: vLLM-Ascend stand-ins on sys.path, the engine on, as on an NPU host."""
     monkeypatch.setenv("DRAMA3_PATCHES", "1")
     monkeypatch.setenv("DRAMA3_PATCHES_PLATFORM", "npu")
     monkeypatch.setenv("DRAMA3_PATCHES_STRICT", "1")
-    sys.path[:0] = [str(REPLICAS / "omni_032"), str(REPLICAS / "ascend_main_2608")]
+    sys.path[:0] = [str(p) for p in profile_paths(ASCEND_MAIN)]
+    ExpertFp8Config = _published_config_class()
     import drama3_patches
 
     drama3_patches.apply(["fp8-expert-method"])
-    from vllm_omni.model_executor.models.fish_omni.quantization import ExpertFp8Config
-
     row = {p["id"]: p for p in drama3_patches.status()["patches"]}["fp8-expert-method"]
     assert row["state"] == "applied", row
     return drama3_patches, ExpertFp8Config
 
 
-def _vllm_config_context():
-    """What vLLM's model construction provides: a current config (CustomOp needs one)."""
+_ENTERED = []  # the entered context managers: collecting one would leave the config again
+
+
+def _enter_vllm_config():
+    """What vLLM's model construction provides: a current config (CustomOp needs one).  Fresh
+    process: left entered."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
-    return set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
+    ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
+    ctx.__enter__()
+    _ENTERED.append(ctx)
 
 
 def _experts_layer(prefix="model.layers.0.mlp.experts"):
@@ -54,11 +72,41 @@ def _experts_layer(prefix="model.layers.0.mlp.experts"):
     return layer
 
 
+def _linear_layer():
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear.__new__(ReplicatedLinear)  # a LinearBase, which is all the config looks at
+    torch.nn.Module.__init__(layer)
+    return layer
+
+
+@pytest.mark.forked
+def test_published_expert_fp8_config_is_what_the_patch_expects():
+    # The facts the manifest entry states, read off the published class (not patched here).
+    ExpertFp8Config = _published_config_class()
+    import inspect
+
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization import get_quantization_config
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    assert get_quantization_config("bsgemm-moe") is ExpertFp8Config and issubclass(ExpertFp8Config, Fp8Config)
+    assert list(inspect.signature(ExpertFp8Config.__init__).parameters) == ["self", "weight_block_size"]
+    assert list(inspect.signature(ExpertFp8Config.get_quant_method).parameters) == ["self", "layer", "prefix"]
+    config = ExpertFp8Config.from_config({"activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    assert config.weight_block_size == [128, 128] and config.is_checkpoint_fp8_serialized
+    for bad in ({"activation_scheme": "static", "weight_block_size": [128, 128]}, {"weight_block_size": [128]}):
+        with pytest.raises(ValueError, match="bsgemm-moe"):
+            ExpertFp8Config.from_config(bad)
+    assert isinstance(config.get_quant_method(_linear_layer(), "model.layers.0.self_attn.o_proj"),
+                      UnquantizedLinearMethod)
+
+
 @fake_npu.in_fresh_process
-def test_experts_get_the_ascend_method_and_other_layers_the_original(monkeypatch):
+def test_experts_get_the_ascend_method_and_extra_keywords_are_passed_on(monkeypatch):
     d3p, ExpertFp8Config = _enable_patch(monkeypatch)
-    vllm_config = _vllm_config_context()
-    vllm_config.__enter__()  # fresh process: left set (the reference keeps it entered)
+    _enter_vllm_config()
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm_ascend.device import device_config
     from vllm_ascend.device.hardware import AscendDeviceType
     from vllm_ascend.ops.fused_moe.routed_experts import AscendUnquantizedFusedMoEMethod
@@ -66,17 +114,35 @@ def test_experts_get_the_ascend_method_and_other_layers_the_original(monkeypatch
 
     config = ExpertFp8Config(weight_block_size=[128, 128])
     layer = _experts_layer()
-    method = config.get_quant_method(layer, layer.prefix)  # 910B (A2): CPU expansion
+    table = torch.arange(8)
+    # vLLM-Ascend's routed experts ask with tid2eid (routed_experts.py, _get_quant_method):
+    method = config.get_quant_method(layer, layer.prefix, tid2eid=table)  # 910B (A2): CPU expansion
     assert isinstance(method, AscendUnquantizedFusedMoEMethod) and type(method).__name__ == "ExpandedFp8MoEMethod"
     assert method.weight_block_size == (128, 128) and method.moe is layer.moe_config
-    assert config.get_quant_method(torch.nn.Linear(4, 4), "model.layers.0.self_attn.o_proj") is None
+    assert method.tid2eid is table  # honoured: it reaches vLLM-Ascend's method
+    assert config.get_quant_method(layer, layer.prefix).tid2eid is None  # vLLM's own call shape still works
 
-    # Ascend 950 (A5, MXFP8): vLLM-Ascend's own FP8 MoE method when it has one ...
-    device_config.SOC_DEVICE_TYPE = AscendDeviceType.A5
-    assert type(config.get_quant_method(layer, layer.prefix)).__name__ == "ExpandedFp8MoEMethod"  # main raises
-    sentinel = object()
-    monkeypatch.setattr(AscendFp8Config, "get_quant_method", lambda self, lyr, prefix, tid2eid=None: sentinel)
-    assert config.get_quant_method(layer, layer.prefix) is sentinel
+    # Other layers keep the published answer; a keyword the original does not take is not passed.
+    linear = _linear_layer()
+    assert isinstance(config.get_quant_method(linear, "model.layers.0.mlp.gate"), UnquantizedLinearMethod)
+    assert isinstance(config.get_quant_method(linear, "model.layers.0.mlp.gate", tid2eid=table),
+                      UnquantizedLinearMethod)
+
+    # Ascend 950 (A5, MXFP8): vLLM-Ascend's own FP8 MoE method when it has one, with tid2eid ...
+    monkeypatch.setattr(device_config, "BUILD_DEVICE_TYPE", AscendDeviceType.A5)
+    device_config.get_device_config.cache_clear()
+    assert device_config.is_950()
+    # ... main raises NotImplementedError there, so the experts are still expanded:
+    assert type(config.get_quant_method(layer, layer.prefix, tid2eid=table)).__name__ == "ExpandedFp8MoEMethod"
+    seen = {}
+
+    def ascend_method(self, lyr, prefix, tid2eid=None):
+        seen.update(prefix=prefix, tid2eid=tid2eid, block=self.weight_block_size)
+        return "ascend-fp8-moe-method"
+
+    monkeypatch.setattr(AscendFp8Config, "get_quant_method", ascend_method)
+    assert config.get_quant_method(layer, layer.prefix, tid2eid=table) == "ascend-fp8-moe-method"
+    assert seen == {"prefix": layer.prefix, "tid2eid": table, "block": [128, 128]}
 
     original = d3p.get_original(TARGET)
     d3p.unapply(["fp8-expert-method"])
@@ -84,114 +150,59 @@ def test_experts_get_the_ascend_method_and_other_layers_the_original(monkeypatch
     assert not hasattr(ExpertFp8Config.get_quant_method, "__drama3_patch__")
 
 
-def _checkpoint(seed: int):
-    """Per-expert gate/up/down fp8 weights with every code (NaN included) and block scales."""
-    g = torch.Generator().manual_seed(seed)
+def test_call_accepting_passes_only_what_the_callee_takes():
+    from drama3_patches.patches.fp8_expert_method import call_accepting
 
-    def fp8(n, k):
-        codes = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=g)
-        codes[:256] = torch.arange(256, dtype=torch.uint8)
-        return codes.view(n, k).view(torch.float8_e4m3fn)
+    def two(layer, prefix):
+        return (layer, prefix)
 
-    def scale(n, k):
-        return torch.rand(-(-n // B), -(-k // B), generator=g) * 1e-2
+    def keyword(layer, prefix, tid2eid=None):
+        return (layer, prefix, tid2eid)
 
-    return [
-        {"w1": fp8(I, H), "w3": fp8(I, H), "w2": fp8(H, I), "s1": scale(I, H), "s3": scale(I, H), "s2": scale(H, I)}
-        for _ in range(E)
-    ]
+    def anything(*args, **kwargs):
+        return (args, kwargs)
 
-
-def _loader(param, loaded, weight_name, shard_id, expert_id):
-    """Stand-in for vLLM's FusedMoE.weight_loader without TP/EP: gate rows, then up rows."""
-    data = param.data[expert_id]
-    if shard_id == "w2":
-        data.copy_(loaded)
-        return
-    half = data.shape[0] // 2
-    (data[:half] if shard_id == "w1" else data[half:]).copy_(loaded)
-
-
-@fake_npu.in_fresh_process
-def test_load_expand_and_serve_on_npu_without_device_fp8_or_transpose(monkeypatch):
-    fake_npu.enable()
-    _, ExpertFp8Config = _enable_patch(monkeypatch)
-    vllm_config = _vllm_config_context()
-    vllm_config.__enter__()  # fresh process: left set (the reference keeps it entered)
-    from vllm_ascend.ops.fused_moe.routed_experts import AscendUnquantizedFusedMoEMethod
-
-    def no_device_transpose(self, layer):
-        raise AssertionError("the bf16 method's own transpose ran")
-
-    monkeypatch.setattr(AscendUnquantizedFusedMoEMethod, "process_weights_after_loading", no_device_transpose)
-    layer = _experts_layer()
-    method = ExpertFp8Config(weight_block_size=[B, B]).get_quant_method(layer, layer.prefix)
-    with torch.device("npu"):
-        method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=_loader)
-    for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
-        assert getattr(layer, name).device.type == "meta"  # nothing of the checkpoint on the device
-    ckpt = _checkpoint(5)
-    for e, w in enumerate(ckpt):
-        for shard in ("w1", "w3", "w2"):
-            param = layer.w2_weight if shard == "w2" else layer.w13_weight
-            scale = layer.w2_weight_scale_inv if shard == "w2" else layer.w13_weight_scale_inv
-            param.weight_loader(param, w[shard], "w", shard, e)
-            scale.weight_loader(scale, w["s" + shard[1]], "s", shard, e)
-    host_w13 = weakref.ref(layer._drama3_fp8_host["w13_weight"])
-
-    with fake_npu.record_transfers() as log:
-        method.process_weights_after_loading(layer)
-    assert log and all((t.direction, t.non_blocking) == ("h2d", False) for t in log)
-    assert host_w13() is None and not hasattr(layer, "_drama3_fp8_host")
-    assert not hasattr(layer, "w13_weight_scale_inv") and not hasattr(layer, "w2_weight_scale_inv")
-    w13, w2 = layer.w13_weight, layer.w2_weight
-    assert w13.device.type == "npu" and w13.dtype == torch.bfloat16 and tuple(w13.shape) == (E, H, 2 * I)
-    assert w2.device.type == "npu" and tuple(w2.shape) == (E, I, H)
-    host13, host2 = w13.cpu(), w2.cpu()
-    for e, w in enumerate(ckpt):
-        gate_up = torch.cat([reference_dequant(w["w1"], w["s1"]), reference_dequant(w["w3"], w["s3"])])
-        assert torch.equal(host13[e].view(torch.int16), gate_up.t().contiguous().view(torch.int16))
-        assert torch.equal(host2[e].view(torch.int16), reference_dequant(w["w2"], w["s2"]).t().contiguous().view(torch.int16))
-
-    # The bf16 method's forward consumes that layout: compare with a dense MoE in checkpoint layout.
-    # (NaN codes zeroed so the comparison means something.)
-    layer.w13_weight.data.copy_(torch.nan_to_num(host13.float()).to(torch.bfloat16).to("npu"))
-    layer.w2_weight.data.copy_(torch.nan_to_num(host2.float()).to(torch.bfloat16).to("npu"))
-    assert not torch.isnan(layer.w13_weight.cpu().float()).any()
-    x = torch.randn(4, H).to(torch.bfloat16)
-    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]])
-    weights = torch.rand(4, 2)
-    got = method.apply(layer, x.to("npu"), weights.to("npu"), ids.to("npu")).cpu()
-    want = torch.zeros(4, H)
-    for t in range(4):
-        for k in range(2):
-            e = int(ids[t, k])
-            w13c = layer.w13_weight.cpu()[e].float().t()  # (2I, H) checkpoint layout
-            w2c = layer.w2_weight.cpu()[e].float().t()  # (H, I)
-            gu = w13c @ x[t].float()
-            want[t] += weights[t, k] * (w2c @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
-    assert torch.allclose(got.float(), want.to(torch.bfloat16).float(), rtol=2e-2, atol=1e-2)
-
-    # A reload after expansion is refused instead of writing fp8 into bf16.
-    with pytest.raises(RuntimeError, match="already expanded"):
-        layer.w13_weight.weight_loader(layer.w13_weight, ckpt[0]["w1"], "w", "w1", 0)
+    assert call_accepting(two, 1, 2, 3, tid2eid=4) == (1, 2)
+    assert call_accepting(keyword, 1, 2, tid2eid=4) == (1, 2, 4)
+    assert call_accepting(anything, 1, 2, tid2eid=4) == ((1, 2), {"tid2eid": 4})
+    with pytest.raises(TypeError):  # a missing argument is still an error
+        call_accepting(two, 1)
 
 
 @fake_npu.in_fresh_process
 def test_mismatched_scale_is_refused_with_names(monkeypatch):
-    fake_npu.enable()
     _, ExpertFp8Config = _enable_patch(monkeypatch)
-    vllm_config = _vllm_config_context()
-    vllm_config.__enter__()  # fresh process: left set (the reference keeps it entered)
+    fake_npu.enable()
+    _enter_vllm_config()
     layer = _experts_layer("model.layers.7.mlp.experts")
     method = ExpertFp8Config(weight_block_size=[B, B]).get_quant_method(layer, layer.prefix)
     with torch.device("npu"):
-        method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=_loader)
+        method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=lambda *a, **k: None)
+    for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
+        assert getattr(layer, name).device.type == "meta"  # nothing of the checkpoint on the device
     host = layer._drama3_fp8_host
     host["w13_weight"].data.zero_()
     host["w13_weight_scale_inv"] = torch.nn.Parameter(torch.ones(E, 3, 3), requires_grad=False)
     with pytest.raises(ValueError, match=r"model\.layers\.7\.mlp\.experts\.w13_weight: weight_scale_inv \(3, 3, 3\)"):
         method.process_weights_after_loading(layer)
+
+
+@fake_npu.in_fresh_process
+def test_a_reload_after_expansion_is_refused(monkeypatch):
+    _, ExpertFp8Config = _enable_patch(monkeypatch)
+    fake_npu.enable()
+    _enter_vllm_config()
+    layer = _experts_layer()
+    method = ExpertFp8Config(weight_block_size=[B, B]).get_quant_method(layer, layer.prefix)
+    calls = []
+    method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=lambda *a, **k: calls.append(a[0]))
+    w = torch.zeros(I, H, dtype=torch.float8_e4m3fn)
+    layer.w13_weight.weight_loader(layer.w13_weight, w, "w", "w1", 0)
+    assert calls == [layer._drama3_fp8_host["w13_weight"]]  # the loader writes into the host buffer
+    method.process_weights_after_loading(layer)
+    assert layer.w13_weight.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="already expanded"):
+        layer.w13_weight.weight_loader(layer.w13_weight, w, "w", "w1", 0)
 
 
 def test_plan_is_not_needed_when_the_model_already_picks_ascend():
@@ -214,6 +225,24 @@ def test_plan_is_not_needed_when_the_model_already_picks_ascend():
     ctx = PatchContext("fp8-expert-method", (TARGET,), "npu", {}, fem.logger, _resolve=lambda t: get_quant_method)
     with pytest.raises(NotNeeded, match="already selects"):
         fem.plan(ctx)
+
+
+def _checkpoint(seed: int):
+    """Per-expert gate/up/down fp8 weights with every code (NaN included) and block scales."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fp8(n, k):
+        codes = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=g)
+        codes[:256] = torch.arange(256, dtype=torch.uint8)
+        return codes.view(n, k).view(torch.float8_e4m3fn)
+
+    def scale(n, k):
+        return torch.rand(-(-n // B), -(-k // B), generator=g) * 1e-2
+
+    return [
+        {"w1": fp8(I, H), "w3": fp8(I, H), "w2": fp8(H, I), "s1": scale(I, H), "s3": scale(I, H), "s2": scale(H, I)}
+        for _ in range(E)
+    ]
 
 
 @pytest.mark.npu

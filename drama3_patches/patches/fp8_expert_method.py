@@ -1,8 +1,12 @@
 """fp8-expert-method: Drama 3's block-FP8 routed experts get an Ascend MoE method on NPU.
 
-``ExpertFp8Config.get_quant_method`` (the Drama 3 model's quantization config) hands the routed
-experts vLLM's ``Fp8MoEMethod``, whose kernels are CUDA ones.  The replacement, for routed-expert
-layers only:
+The published Drama 3 model (vllm-omni 0.32.0rc1, ``fish_omni/quantization.py``) registers
+``ExpertFp8Config`` as quantization method ``"bsgemm-moe"``: its ``get_quant_method(layer,
+prefix)`` answers ``UnquantizedLinearMethod`` for linear layers and defers everything else to
+vLLM's ``Fp8Config``, which hands the routed experts ``Fp8MoEMethod``, whose kernels are CUDA
+ones.  vLLM-Ascend's routed-expert layer asks with one more keyword,
+``get_quant_method(layer, prefix, tid2eid=...)``; the replacement accepts extra arguments and
+passes each on to whatever it delegates to when that accepts it.  For routed-expert layers:
 
 * where the card has MXFP8 (Ascend 950, ``AscendDeviceType.A5``) asks vLLM-Ascend's
   ``AscendFp8Config`` for its MoE method; vLLM-Ascend main (2026-08) raises
@@ -16,7 +20,8 @@ layers only:
   ``AscendUnquantizedFusedMoEMethod.process_weights_after_loading``: ``transpose(1, 2)
   .contiguous()``) -- so the device holds one bf16 copy and no transpose copy is made there.
 
-Other layers keep the original answer.
+Other layers keep the original answer.  vLLM-Ascend's ``tid2eid`` (hash-routing table) reaches
+the method that is built, as it would reach vLLM-Ascend's own.
 """
 
 from __future__ import annotations
@@ -47,16 +52,39 @@ def is_routed_experts(layer: Any) -> bool:
 def has_mxfp8() -> bool:
     """Ascend 950 (A5) has MXFP8 matmuls; the 910B family (A2/A3) does not."""
     try:
-        from vllm_ascend.device.device_config import get_ascend_device_type
+        from vllm_ascend.device import device_config
     except ImportError:
         try:
             from vllm_ascend.utils import get_ascend_device_type
         except ImportError:
             return False
-    return getattr(get_ascend_device_type(), "name", "") == "A5"
+        return getattr(get_ascend_device_type(), "name", "") == "A5"
+    if hasattr(device_config, "is_950"):
+        return bool(device_config.is_950())
+    return getattr(device_config.get_ascend_device_type(), "name", "") == "A5"
 
 
-def _ascend_fp8_moe_method(config, layer, prefix: str):
+def call_accepting(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, leaving out the trailing positionals and the keywords that ``fn``'s
+    signature has no room for (vLLM-Ascend passes ``tid2eid`` to configs that may not take it)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    params = sig.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        dropped = sorted(set(kwargs) - names)
+        if dropped:
+            logger.debug("fp8-expert-method: %s takes no %s; not passed on", getattr(fn, "__qualname__", fn), dropped)
+        kwargs = {k: v for k, v in kwargs.items() if k in names}
+    if not any(p.kind is p.VAR_POSITIONAL for p in params):
+        room = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in kwargs for p in params)
+        args = args[:room]
+    return fn(*args, **kwargs)
+
+
+def _ascend_fp8_moe_method(config, layer, prefix: str, *args, **kwargs):
     """vLLM-Ascend's own FP8 MoE method, or None where this vLLM-Ascend has none."""
     try:
         from vllm_ascend.quantization.fp8_config import AscendFp8Config
@@ -70,7 +98,7 @@ def _ascend_fp8_moe_method(config, layer, prefix: str):
     )
     ascend.packed_modules_mapping = getattr(config, "packed_modules_mapping", {})
     try:
-        return ascend.get_quant_method(layer, prefix)
+        return call_accepting(ascend.get_quant_method, layer, prefix, *args, **kwargs)
     except NotImplementedError:
         logger.info("vLLM-Ascend's AscendFp8Config has no MoE method here; expanding %s on the CPU", prefix)
         return None
@@ -82,8 +110,9 @@ def expanded_method_class(base: type) -> type:
         return _CLASS_CACHE[base]
 
     class ExpandedFp8MoEMethod(base):
-        def __init__(self, moe, weight_block_size) -> None:
-            super().__init__(moe)
+        def __init__(self, moe, weight_block_size, **base_kwargs) -> None:
+            # base_kwargs: what vLLM-Ascend's own method takes besides moe (tid2eid on main).
+            call_accepting(super().__init__, moe, **base_kwargs)
             self.weight_block_size = tuple(weight_block_size or (128, 128))
 
         def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
@@ -229,13 +258,13 @@ def build(original):
     @wrap(original)
     def get_quant_method(self, layer, prefix, *args, **kwargs):
         if not is_routed_experts(layer):
-            return original(self, layer, prefix, *args, **kwargs)
+            return call_accepting(original, self, layer, prefix, *args, **kwargs)
         if has_mxfp8():
-            method = _ascend_fp8_moe_method(self, layer, prefix)
+            method = _ascend_fp8_moe_method(self, layer, prefix, *args, **kwargs)
             if method is not None:
                 return method
         cls = expanded_method_class(_ascend_bf16_method_class())
-        return cls(layer.moe_config, self.weight_block_size)
+        return cls(layer.moe_config, self.weight_block_size, **kwargs)
 
     return get_quant_method
 

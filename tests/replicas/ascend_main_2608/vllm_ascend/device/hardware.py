@@ -1,5 +1,7 @@
-# Stand-in for vllm-project/vllm-ascend public main (2026-08-22), vllm_ascend/device/hardware.py:
-# the AscendDeviceType enum (A2 = 910B family, A3, _310P, A5 = Ascend 950, the one with MXFP8).
+# Stand-in for vllm-project/vllm-ascend public main, commit 182b75ea84 (2026-08-22),
+# vllm_ascend/device/hardware.py: the AscendDeviceType enum as upstream numbers it (A2 = 910B
+# family, A3 = 910C family, _310P, A5 = Ascend 950, the family with MXFP8). Left out: the
+# SoC-version tables and the helpers that map a SoC name to a family.
 from enum import Enum
 
 
