@@ -1,10 +1,11 @@
 """The NPU deploy configs shipped in ``drama3_patches/deploy/`` and a schema check.
 
-The schema mirrors vLLM-Omni 0.30.0 ``vllm_omni/config/stage_config.py``
-(``DeployConfig``, ``StageDeployConfig``, ``load_deploy_config``,
-``_apply_platform_overrides``). vLLM-Omni quietly moves an unknown stage key
-into ``engine_extras`` and later drops it when it is not an engine argument, so
-a typo there would go unnoticed: this check names it instead.
+The profiles are derived from vLLM-Omni 0.32.0rc1's published ``vllm_omni/deploy/fish_omni.yaml``
+(:data:`DIFFERENCES_FROM_PUBLISHED` lists every key that differs, and why). The schema mirrors
+vLLM-Omni 0.31.0rc1 / 0.32.0rc1 ``vllm_omni/config/stage_config.py`` (``DeployConfig``,
+``StageDeployConfig``, ``load_deploy_config``, ``_apply_platform_overrides``). vLLM-Omni quietly
+moves an unknown stage key into ``engine_extras`` and hands it to the engine arguments, so a typo
+there would go unnoticed until the engine starts: this check names it instead.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ PROFILES = {
 }
 DEFAULT_PROFILE = "910b-tp2-ep"
 
-# vllm-omni 0.30.0 DeployConfig fields, plus `base_config` (resolve_deploy_yaml).
+# DeployConfig fields common to vllm-omni 0.31.0rc1 and 0.32.0rc1, plus `base_config`
+# (resolve_deploy_yaml).
 TOP_LEVEL_KEYS = frozenset({
     "async_chunk", "session_mode", "model_runner", "active_stream_window", "duplex_session",
     "connectors", "edges", "stages", "platforms", "pipeline", "trust_remote_code",
     "distributed_executor_backend", "dtype", "quantization", "enable_prefix_caching",
     "enable_chunked_prefill", "data_parallel_size", "pipeline_parallel_size", "custom_voice_dir",
-    "base_config",
+    "cuda_mps", "speech_cache", "base_config",
 })
 
-# StageDeployConfig fields this project's configs may use (the full class has many
-# diffusion-only knobs; they are not accepted here on purpose).
+# StageDeployConfig fields (in both releases) this project's configs may use; the full class has
+# many diffusion-only knobs, not accepted here on purpose.
 STAGE_FIELDS = frozenset({
     "stage_id", "devices", "num_replicas", "env", "async_chunk", "output_connectors",
     "input_connectors", "default_sampling_params", "default_pooling_params",
@@ -39,16 +41,39 @@ STAGE_FIELDS = frozenset({
     "max_model_len", "enforce_eager", "async_scheduling", "disable_hybrid_kv_cache_manager",
     "mm_processor_cache_gb", "mamba_ssm_cache_dtype", "compilation_config", "profiler_config",
     "skip_mm_profiling", "config_format", "load_format", "tokenizer_mode", "engine_extras",
-    "engine_args", "runtime",
+    "model_runner", "engine_args", "runtime",
 })
-# Keys vLLM-Omni passes through engine_extras to vLLM's EngineArgs, and the
-# per-stage runner key that the runner-selection patch reads.
-STAGE_PASSTHROUGH_KEYS = frozenset({"block_size", "kv_cache_dtype", "seed", "model_runner"})
+# Stage keys that are not StageDeployConfig fields: vLLM-Omni passes them through engine_extras
+# to the engine arguments (the published fish_omni.yaml sets the first two per stage).
+STAGE_PASSTHROUGH_KEYS = frozenset({"trust_remote_code", "enable_prefix_caching", "block_size",
+                                    "kv_cache_dtype", "seed"})
 # vllm-omni raises for these in engine_extras: the runner is chosen by model_runner.
 FORBIDDEN_STAGE_KEYS = frozenset({"use_v2_model_runner", "supports_native_mrv2_data_plane"})
 RUNNERS = ("v1", "v2")
 PLATFORM_NAMES = frozenset({"npu", "cuda", "rocm", "xpu", "musa", "cpu"})
-PLATFORM_KEYS = frozenset({"model_runner", "stages"})
+PLATFORM_KEYS = frozenset({"model_runner", "stages", "cuda_mps"})
+# Connector extras that only do something on CUDA; fish_speech_dac_stateful refuses to start
+# without fish_speech_dac_cuda_graphs (vllm-omni 0.32.0rc1 fish_speech_dac_decoder.py).
+CUDA_ONLY_CONNECTOR_EXTRAS = ("fish_speech_dac_cuda_graphs", "fish_speech_dac_stateful")
+
+# Every key in which the NPU profiles differ from vllm-omni 0.32.0rc1's deploy/fish_omni.yaml
+# (flattened: stages by stage_id, `*` for any), and why.
+DIFFERENCES_FROM_PUBLISHED = {
+    "platforms.cuda": "MPS (cuda_mps) has no NPU counterpart",
+    "platforms.npu": "Ascend paged attention takes 128-token cache blocks",
+    "stages.0.enforce_eager": "eager instead of CUDA graphs (NPU graph mode unverified for Drama 3)",
+    "stages.0.compilation_config": "CUDA graph mode and capture sizes: eager on NPU",
+    "connectors.*.extra.fish_speech_dac_cuda_graphs": "the DAC's channels-last CUDA graphs need CUDA",
+    "connectors.*.extra.fish_speech_dac_stateful": "needs fish_speech_dac_cuda_graphs",
+    "connectors.*.extra.fish_speech_dac_dtype": "fp16 was tuned for the CUDA decoder; float32 default",
+    "stages.*.mamba_ssm_cache_dtype": "bfloat16 state measured on CUDA only; the checkpoint's float32",
+    "stages.*.async_scheduling": "measured on CUDA only; synchronous, as the port measured",
+    "stages.*.devices": "the cards of the profile",
+    "stages.*.tensor_parallel_size": "the cards of the profile",
+    "stages.0.enable_expert_parallel": "routed experts split over the stage's cards",
+    "stages.*.gpu_memory_utilization": "card memory and the stage sharing it",
+    "stages.*.max_num_seqs": "the streams the port measured on these cards",
+}
 
 
 def profile_names() -> list[str]:
@@ -136,6 +161,12 @@ def validate(doc: Any) -> list[str]:
     for name, conn in connectors.items():
         if not isinstance(conn, dict) or not isinstance(conn.get("name"), str):
             errors.append(f"connectors.{name}: needs a `name` (the connector class)")
+            continue
+        for key in CUDA_ONLY_CONNECTOR_EXTRAS:
+            if (conn.get("extra") or {}).get(key):
+                errors.append(f"connectors.{name}.extra.{key} is CUDA-only; set it false for NPU")
+    if doc.get("cuda_mps"):
+        errors.append("cuda_mps (CUDA MPS) has no NPU counterpart; remove it")
     for stage in stages:
         if not isinstance(stage, dict):
             continue
@@ -159,6 +190,8 @@ def validate(doc: Any) -> list[str]:
                 errors.append(f"platforms.{plat}: unknown key {key!r}")
         if "model_runner" in section and section["model_runner"] not in RUNNERS:
             errors.append(f"platforms.{plat}.model_runner must be one of {RUNNERS}")
+        if plat == "npu" and section.get("cuda_mps"):
+            errors.append("platforms.npu.cuda_mps: CUDA MPS has no NPU counterpart; remove it")
         for j, ps in enumerate(section.get("stages") or []):
             _check_stage(f"platforms.{plat}.stages[{j}]", ps, errors, overlay=True)
             if isinstance(ps, dict) and ps.get("stage_id") not in ids:
@@ -181,10 +214,15 @@ def effective_stages(doc: dict, platform: str | None) -> list[dict]:
 
 
 def effective_runner(doc: dict, platform: str | None, stage: dict) -> str:
-    """The runner a stage asks for: its own `model_runner`, else the deploy-level one."""
-    section = (doc.get("platforms") or {}).get(platform) or {} if platform else {}
+    """The runner a stage runs, as vLLM-Omni resolves it: its own `model_runner`, else the
+    deploy-level one (a platform section's replacing the top level's); a platform section's
+    `model_runner: v1` also clears a stage's own v2 (the platform's V1 fallback)."""
+    section = ((doc.get("platforms") or {}).get(platform) or {}) if platform else {}
     deploy_level = section.get("model_runner", doc.get("model_runner", "v1"))
-    return stage.get("model_runner", deploy_level)
+    own = stage.get("model_runner")
+    if own == "v2" and section.get("model_runner") == "v1":
+        own = None
+    return own or deploy_level
 
 
 def _check_memory_sums(stages: list[dict], platform: str | None) -> list[str]:

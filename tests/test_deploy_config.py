@@ -1,19 +1,23 @@
-"""The shipped deploy configs: our schema check, the command, and vLLM-Omni's own loader."""
+"""The shipped NPU deploy configs: derived from the published fish_omni.yaml, our schema check,
+the command, and vLLM-Omni's own loader (the installed 0.31.0rc1 or 0.32.0rc1) on npu."""
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import yaml
 
 from drama3_patches import deployconf
+from tests.support.replicas import ASCEND_MAIN, installed, profile
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY_DIR = REPO / "drama3_patches" / "deploy"
@@ -48,12 +52,12 @@ def test_910b_profile_is_tp2_ep_eager_v2_with_dac_on_v1_sharing_card_1():
     assert s0["devices"] == "0,1" and s0["tensor_parallel_size"] == 2
     assert s0["enable_expert_parallel"] is True and s0["enforce_eager"] is True
     assert s0["block_size"] == 128  # from platforms.npu
+    # The runner is chosen per stage, as in the published deploy; nothing at the deploy level.
+    assert "model_runner" not in doc and "model_runner" not in doc["platforms"]["npu"]
     assert deployconf.effective_runner(doc, "npu", s0) == "v2"
     assert deployconf.effective_runner(doc, "npu", s1) == "v1"
     assert s1["devices"] == "1"
     assert s0["gpu_memory_utilization"] + s1["gpu_memory_utilization"] <= 1.0
-    # Off NPU nothing asks for V2 at the deploy level.
-    assert doc["model_runner"] == "v1"
     assert s0["output_connectors"]["to_stage_1"] == s1["input_connectors"]["from_stage_0"]
 
 
@@ -64,6 +68,62 @@ def test_mxfp8_profile_is_one_card():
     assert all(s.get("tensor_parallel_size", 1) == 1 for s in stages)
     assert deployconf.effective_runner(doc, "npu", stages[0]) == "v2"
     assert deployconf.effective_runner(doc, "npu", stages[1]) == "v1"
+
+
+def test_effective_runner_follows_the_loaders_rules():
+    doc = {"model_runner": "v1", "platforms": {"npu": {"model_runner": "v2"}, "xpu": {"model_runner": "v1"}}}
+    assert deployconf.effective_runner(doc, "npu", {"stage_id": 0}) == "v2"   # the section's
+    assert deployconf.effective_runner(doc, "npu", {"stage_id": 1, "model_runner": "v1"}) == "v1"
+    assert deployconf.effective_runner(doc, None, {"stage_id": 0}) == "v1"
+    # A platform's v1 fallback clears a stage's own v2.
+    assert deployconf.effective_runner(doc, "xpu", {"stage_id": 0, "model_runner": "v2"}) == "v1"
+
+
+def _flat(doc: dict) -> dict:
+    """Leaves by dotted path; stages by stage_id; a platform section is one leaf."""
+    out = {}
+
+    def walk(prefix, value):
+        if prefix.startswith("platforms.") and prefix.count(".") == 1:
+            out[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif prefix == "stages":
+            for stage in value:
+                walk(f"stages.{stage['stage_id']}", {k: v for k, v in stage.items() if k != "stage_id"})
+        else:
+            out[prefix] = value
+
+    walk("", doc)
+    return out
+
+
+def test_profiles_differ_from_the_published_deploy_only_where_listed():
+    if installed("vllm-omni") != "0.32.0rc1":
+        pytest.skip(f"vllm-omni {installed('vllm-omni')} installed: fish_omni.yaml is published in 0.32.0rc1")
+    # Read from the installed wheel without importing vllm_omni (its import patches vLLM).
+    published_doc = yaml.safe_load(Path(metadata.distribution("vllm-omni").locate_file(
+        "vllm_omni/deploy/fish_omni.yaml")).read_text())
+    published = _flat(published_doc)
+    used = set()
+    for name in deployconf.PROFILES:
+        ours = _flat(deployconf.load_profile(name))
+        for path in sorted(set(published) | set(ours)):
+            if published.get(path, "absent") == ours.get(path, "absent"):
+                continue
+            why = [p for p in deployconf.DIFFERENCES_FROM_PUBLISHED
+                   if fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + ".*")]
+            assert why, f"{name}: {path} differs from the published deploy ({published.get(path)!r} -> " \
+                        f"{ours.get(path)!r}) and DIFFERENCES_FROM_PUBLISHED does not say why"
+            used.update(why)
+        # No CUDA-only knob is left on.
+        assert deployconf.validate(deployconf.load_profile(name)) == []
+    assert used == set(deployconf.DIFFERENCES_FROM_PUBLISHED), "stale entries: " \
+        f"{sorted(set(deployconf.DIFFERENCES_FROM_PUBLISHED) - used)}"
+    # The published file itself carries CUDA-only knobs the check names.
+    problems = deployconf.validate(published_doc)
+    assert any("fish_speech_dac_cuda_graphs is CUDA-only" in p for p in problems), problems
 
 
 def _mutations():
@@ -97,6 +157,15 @@ def _mutations():
     def top(d):
         d["stage_args"] = []
 
+    def dac_graphs(d):
+        d["connectors"]["connector_of_shared_memory"]["extra"]["fish_speech_dac_cuda_graphs"] = True
+
+    def mps(d):
+        d["platforms"]["npu"]["cuda_mps"] = True
+
+    def stage_runner(d):
+        d["stages"][0]["model_runner"] = "v3"
+
     return {
         "typo": (typo, "unknown stage key 'max_num_seq'"),
         "forbidden": (forbidden, "'use_v2_model_runner' is set by vLLM-Omni"),
@@ -108,6 +177,9 @@ def _mutations():
         "ghost": (ghost, "no stage 7 to override"),
         "dup": (dup, "duplicate stage ids"),
         "top": (top, "removed `stage_args` schema"),
+        "dac_graphs": (dac_graphs, "fish_speech_dac_cuda_graphs is CUDA-only"),
+        "mps": (mps, "platforms.npu.cuda_mps: CUDA MPS has no NPU counterpart"),
+        "stage_runner": (stage_runner, "stages[0]: model_runner must be one of"),
     }
 
 
@@ -149,29 +221,37 @@ def test_command_bad_input_gets_one_clear_line(tmp_path):
     assert "cannot write" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+# Run with DRAMA3_PATCHES=1 and the platform npu (a vllm-ascend stand-in makes runner-selection's
+# guards pass; the loader needs nothing else), then with the patch removed.
 _REAL_LOADER = textwrap.dedent("""
     import json, sys, dataclasses
-    try:
-        from vllm_omni.config import stage_config as sc
-    except Exception as exc:  # any failure to import means: not importable here
-        print(json.dumps({"skip": f"{type(exc).__name__}: {exc}"}))
-        raise SystemExit(0)
+    import drama3_patches
+    from vllm_omni.config import stage_config as sc
+
+    def err(fn):
+        try:
+            return fn()
+        except Exception as exc:
+            return type(exc).__name__ + ": " + str(exc)
+
+    def on(path, platform):
+        d = sc._apply_platform_overrides(sc.load_deploy_config(path), platform)
+        return [d.model_runner, [sc.resolve_stage_model_runner(d, s) for s in d.stages],
+                [s.engine_extras.get("block_size") for s in d.stages]]
+
     out = {"fields": sorted(f.name for f in dataclasses.fields(sc.StageDeployConfig)),
            "top": sorted(f.name for f in dataclasses.fields(sc.DeployConfig))}
     for path in sys.argv[1:]:
         d = sc.load_deploy_config(path)
-        r = {"runner": d.model_runner,
-             "stages": [[s.stage_id, s.devices, s.tensor_parallel_size, s.enable_expert_parallel,
-                         s.gpu_memory_utilization, s.engine_extras] for s in d.stages]}
-        try:
-            sc._apply_platform_overrides(d, "npu")
-            r["npu"] = ["ok", d.model_runner, [s.engine_extras for s in d.stages]]
-        except NotImplementedError as exc:
-            r["npu"] = ["refused", str(exc)]
-        d = sc.load_deploy_config(path)
-        sc._apply_platform_overrides(d, "cuda")
-        r["cuda_runner"] = d.model_runner
-        out[path] = r
+        out[path] = {
+            "stages": [[s.stage_id, s.devices, s.tensor_parallel_size, s.enable_expert_parallel,
+                        s.gpu_memory_utilization, s.model_runner, s.engine_extras] for s in d.stages],
+            "npu": err(lambda: on(path, "npu")), "xpu": err(lambda: on(path, "xpu")),
+            "cuda": err(lambda: on(path, "cuda")),
+        }
+    drama3_patches.unapply(["runner-selection"])
+    for path in sys.argv[1:]:
+        out[path]["npu_unpatched"] = err(lambda: on(path, "npu"))
     print(json.dumps(out))
 """)
 
@@ -179,23 +259,26 @@ _REAL_LOADER = textwrap.dedent("""
 def test_real_vllm_omni_loader_reads_our_configs():
     paths = [str(DEPLOY_DIR / f) for f in sorted(deployconf.PROFILES.values())]
     env = _env()
-    env["DRAMA3_PATCHES"] = "0"
+    env.update(DRAMA3_PATCHES="1", DRAMA3_PATCHES_PLATFORM="npu", VLLM_LOGGING_LEVEL="WARNING")
+    env["PYTHONPATH"] = os.pathsep.join([str(profile(ASCEND_MAIN)), env["PYTHONPATH"]])
     r = subprocess.run([sys.executable, "-c", _REAL_LOADER, *paths], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"vllm_omni.config.stage_config is not importable here: {result['skip']}")
     # Our list of stage keys is a subset of the installed vLLM-Omni's.
     assert deployconf.STAGE_FIELDS - {"engine_args", "runtime"} <= set(result["fields"])
     assert deployconf.TOP_LEVEL_KEYS - {"base_config"} <= set(result["top"])
-    tp2 = result[str(DEPLOY_DIR / "drama3_910b_tp2_ep.yaml")]
-    assert tp2["runner"] == "v1" and tp2["cuda_runner"] == "v1"
-    assert tp2["stages"][0][:4] == [0, "0,1", 2, True]
-    assert tp2["stages"][1][:3] == [1, "1", 1]
-    # The per-stage runner key travels as an engine extra for the runner-selection patch.
-    assert tp2["stages"][0][5]["model_runner"] == "v2" and tp2["stages"][1][5]["model_runner"] == "v1"
-    # Without the patches (DRAMA3_PATCHES=0 above), vLLM-Omni refuses Model Runner V2 on NPU:
-    # the reason this profile needs the runner-selection patch.
-    assert tp2["npu"][0] == "refused"
-    assert "Model Runner V2 is not supported on NPU" in tp2["npu"][1]
+    for name in deployconf.PROFILES.values():
+        got = result[str(DEPLOY_DIR / name)]
+        # Stage 0 on V2, stage 1 on V1, as the published deploy asks; the platform's block size.
+        assert got["npu"] == ["v1", ["v2", "v1"], [128, None]], name
+        assert got["xpu"].startswith("NotImplementedError: Model Runner V2 is not supported on XPU"), name
+        assert got["cuda"] == ["v1", ["v2", "v1"], [None, None]], name
+        # Unpatched, vLLM-Omni refuses Model Runner V2 on NPU: the reason these need the patch.
+        assert got["npu_unpatched"].startswith("NotImplementedError: Model Runner V2 is not supported on NPU"), name
+        # The per-stage runner is the loader's own field; the rest passes through to the engine.
+        for stage in got["stages"]:
+            assert stage[6] == {"trust_remote_code": False, "enable_prefix_caching": False}, (name, stage)
+    tp2 = result[str(DEPLOY_DIR / "drama3_910b_tp2_ep.yaml")]["stages"]
+    assert tp2[0][:6] == [0, "0,1", 2, True, 0.8, "v2"]
+    assert tp2[1][:6] == [1, "1", 1, None, 0.12, "v1"]
