@@ -1,26 +1,36 @@
-"""Block-FP8 -> bfloat16 expansion of one MoE layer: naive vs ours vs clone().
+"""Block-FP8 -> bfloat16 expansion of one MoE weight, side by side, under three host conditions.
 
-Each method runs in its own fresh process, so that its peak resident memory is
-its own: the child builds the inputs and the (zeroed) output, warms the method up on a
-tiny layer, resets the kernel's peak-RSS counter (``/proc/self/clear_refs``),
-runs the method, and reports the time and the peak RSS above that point: the
-memory the method needs beyond its inputs and output.  Methods:
+Two long-lived worker processes each hold the same inputs (``--experts`` fp8
+experts of ``--shape`` N x K with float32 128x128 block scales, finite codes) and
+a preallocated, paged-in output.  Every round runs each method in each condition,
+in an order rotated per round, so that load from other processes on the host hits
+every method alike; the table shows medians over rounds, so that one stalled
+round cannot decide a result.
 
-  naive      per expert: ``(w.float() * scale_expanded).to(bfloat16)``,
-             stacked in the checkpoint layout (E, N, K)
-  naive_t    the same, then copied transposed into (E, K, N): the layout the
-             Ascend bf16 MoE method keeps (what the port's device transpose made)
-  ours       drama3_patches.kernels.fp8.dequant_experts, transposed layout
-  ours_n     the same in the checkpoint layout
-  ours_pool  ours with num_threads = torch's thread count: row chunks on Python
-             threads, torch ops single-threaded (for hosts whose cores are busy)
-  clone      out.copy_(bf16 tensor of output size): the memory-bandwidth yardstick
+Conditions:
+  alone      worker A runs the method, worker B idles
+  two-proc   A and B run it at the same time (two ranks loading on one host)
+  beside-hog A runs it while a third process spins on one core (CPU-bound)
 
-Every expansion result is compared bit for bit with ``naive`` (one expert
-each of w13 and w2, checked in the child).  Run::
+Methods (all write the Ascend layout (E, K, N), except ``widen``):
+  widen      uint8 -> int16 ``copy_`` of the same bytes (E, N, K): moves exactly what an
+             expansion must move, with torch's default threads; the memory bound
+  naive      per expert ``(w.float() * scale_expanded).to(bfloat16)``, written transposed
+  vllm_1l    vLLM's ``scaled_dequantize`` one-liner on the stacked layer (E, N, K) with
+             128x128 groups, then written transposed (vLLM's own function when vllm imports)
+  ours       drama3_patches.kernels.fp8.dequant_experts, default settings (per expert, the
+             faster of default_threads() workers and one, as measured)
+  ours_mt    the default kernel with num_threads=default_threads() fixed
+  ours_1t    the default kernel with num_threads=1
+  ours_torch default settings with kernel="torch" (the fallback without a C compiler)
 
-    python benchmarks/fp8_expand.py                       # 64 experts, 1536x2048 + 2048x768
-    python benchmarks/fp8_expand.py --experts 16 --threads 1
+``peak+`` is the peak RSS during the run (alone) above the RSS before it (inputs
+and output already resident): memory beyond the output, max over rounds, also
+in units of one expert's bfloat16 size.  ``bits`` compares the first and last
+expert with the definition, bit for bit.  Run::
+
+    python benchmarks/fp8_expand.py                   # 12 experts of 1536 x 2048, 7 rounds
+    python benchmarks/fp8_expand.py --rounds 11 --methods widen,naive,ours
 """
 
 from __future__ import annotations
@@ -35,7 +45,9 @@ import time
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-METHODS = ("naive", "naive_t", "ours", "ours_n", "ours_pool", "clone")
+METHODS = ("widen", "naive", "vllm_1l", "ours", "ours_mt", "ours_1t", "ours_torch")
+CONDITIONS = ("alone", "two-proc", "beside-hog")
+_EXPANSIONS = ("naive", "vllm_1l", "ours", "ours_mt", "ours_1t", "ours_torch")
 
 
 def _rss_kib(field: str) -> int:
@@ -47,7 +59,7 @@ def _rss_kib(field: str) -> int:
 
 
 def _trim_heap() -> None:
-    # Free heap pages left resident by the setup would otherwise hide in the baseline.
+    # Free heap pages left resident by earlier runs would otherwise hide in the baseline.
     try:
         import ctypes
 
@@ -65,150 +77,199 @@ def _reset_peak() -> bool:
         return False
 
 
-def _child(method: str, experts: int, shapes: list[tuple[int, int]], repeats: int, threads: int) -> dict:
+def _worker(experts: int, n: int, k: int) -> None:
+    """Serve ``{"method": m, "peak": bool}`` lines on stdin with one JSON line each."""
     import torch
 
-    from drama3_patches.kernels.fp8 import dequant_experts, reference_dequant
+    from drama3_patches.kernels import fp8
 
-    if threads:
-        torch.set_num_threads(threads)
+    try:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, scaled_dequantize
+
+        vllm_source = "vllm"
+    except Exception:  # the same one-liner, for hosts without vllm
+        GroupShape = None
+        vllm_source = "local"
+
+        def scaled_dequantize(x_q, x_s, group_shape=None, out_dtype=torch.float32):
+            s = x_s.to(torch.float32).repeat_interleave(group_shape[0], -2).repeat_interleave(group_shape[1], -1)
+            return (x_q.to(torch.float32) * s).to(out_dtype)
+
     gen = torch.Generator().manual_seed(1234)
+    codes = torch.randint(0, 255, (experts, n, k), dtype=torch.uint8, generator=gen)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # finite codes: a plain equality is the bit check
+    w_stack = codes.view(torch.float8_e4m3fn)
+    w = list(w_stack.unbind(0))
+    s_stack = torch.rand(experts, -(-n // 128), -(-k // 128), generator=gen) * 1e-2
+    s = list(s_stack.unbind(0))
+    out = torch.zeros(experts, k, n, dtype=torch.bfloat16)  # paged in before any clock starts
+    wide = torch.zeros(experts, n, k, dtype=torch.int16)
+    group = GroupShape(128, 128) if GroupShape is not None else (128, 128)
 
-    def make(experts: int, shapes: list[tuple[int, int]]):
-        layers = []
-        for n, k in shapes:
-            # Finite codes only (0x7F/0xFF are NaN): the bit check below is then a plain equality.
-            codes = torch.randint(0, 255, (experts, n, k), dtype=torch.uint8, generator=gen)
-            codes[(codes & 0x7F) == 0x7F] = 0x7E
-            w = [codes[e].clone().view(torch.float8_e4m3fn) for e in range(experts)]
-            del codes
-            s = [torch.rand((n + 127) // 128, (k + 127) // 128, generator=gen) * 1e-2 for _ in range(experts)]
-            layers.append((w, s))
-        # Outputs exist (and are paged in) before the clock and the peak counter start:
-        # the parameter a loader fills is allocated up front, so "peak+" is pure scratch.
-        transposed = method in ("naive_t", "ours", "ours_pool")
-        outs = [torch.zeros((experts, k, n) if transposed else (experts, n, k), dtype=torch.bfloat16)
-                for n, k in shapes]
-        yard = [torch.ones(experts, n, k, dtype=torch.bfloat16) if method == "clone" else None for n, k in shapes]
-        return layers, yard, outs
+    def run(method: str) -> None:
+        if method == "widen":
+            wide.copy_(codes)
+        elif method == "naive":
+            for e in range(experts):
+                out[e].copy_(fp8.reference_dequant(w[e], s[e]).t())
+        elif method == "vllm_1l":
+            out.copy_(scaled_dequantize(w_stack, s_stack, group_shape=group, out_dtype=torch.bfloat16).transpose(1, 2))
+        elif method == "ours":
+            fp8.dequant_experts(list(w), list(s), out)  # fresh containers: the master lists stay
+        elif method == "ours_torch":
+            fp8.dequant_experts(list(w), list(s), out, kernel="torch")
+        elif method == "ours_mt":
+            fp8.dequant_experts(list(w), list(s), out, num_threads=fp8.default_threads())
+        elif method == "ours_1t":
+            fp8.dequant_experts(list(w), list(s), out, num_threads=1)
+        else:
+            raise ValueError(method)
 
-    def run(layers, yard, outs, experts):
-        for (w, s), y, out in zip(layers, yard, outs):
-            if method == "clone":
-                out.copy_(y)  # the same bytes written, read from bf16: the bandwidth yardstick
-            elif method in ("naive", "naive_t"):
-                for e in range(experts):
-                    dense = reference_dequant(w[e], s[e])
-                    out[e].copy_(dense.t() if method == "naive_t" else dense)
-                    del dense
-            else:
-                # Hand over fresh containers; the master lists keep the inputs for the next repeat.
-                dequant_experts(list(w), list(s), out, transposed=method != "ours_n",
-                                num_threads=torch.get_num_threads() if method == "ours_pool" else None)
-        return outs
+    for m in METHODS:  # page in code paths (and build the native kernel) before timing
+        run(m)
+    info = {"ready": True, "threads": torch.get_num_threads(), "kernel": fp8.resolve_kernel(),
+            "default_threads": fp8.default_threads(), "vllm_1l": vllm_source}
+    if info["kernel"] == "native":
+        from drama3_patches.kernels import fp8_native
 
-    # Page in the code this method runs (libtorch kernels, threads) on a tiny layer first:
-    # that RSS is not the method's data.
-    small = make(2, [(256, 384), (384, 256)])
-    run(*small, 2)
-    del small
-    layers, yard, outs = make(experts, shapes)
-    out_bytes = sum(experts * n * k * 2 for n, k in shapes)
-
-    _trim_heap()
-    base_kib = _rss_kib("VmRSS")
-    peak_ok = _reset_peak()
-    t0 = time.perf_counter()
-    run(layers, yard, outs, experts)
-    times = [time.perf_counter() - t0]
-    peak_kib = _rss_kib("VmHWM")
-    checked = None
-    if method != "clone":
-        checked = True
-        for (w, s), out in zip(layers, outs):
-            for e in (0, experts - 1):
-                ref = reference_dequant(w[e], s[e])
-                got = out[e].t() if method in ("naive_t", "ours", "ours_pool") else out[e]
-                checked &= torch.equal(got.contiguous().view(torch.int16), ref.view(torch.int16))
-    for _ in range(repeats - 1):
+        info["simd"] = {2: "AVX2", 1: "SSE4.1", 0: "scalar"}.get(fp8_native.info()["simd"])
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        peak_ok = False
+        if req.get("peak"):
+            _trim_heap()
+            base = _rss_kib("VmRSS")
+            peak_ok = _reset_peak()
         t0 = time.perf_counter()
-        run(layers, yard, outs, experts)
-        times.append(time.perf_counter() - t0)
-    return {
-        "method": method,
-        "times": times,
-        "peak_extra_bytes": (peak_kib - base_kib) * 1024 if peak_ok else None,
-        "out_bytes": out_bytes,
-        "bit_identical_to_naive": checked,
-        "threads": torch.get_num_threads(),
-    }
+        run(req["method"])
+        elapsed = time.perf_counter() - t0
+        extra = (_rss_kib("VmHWM") - base) * 1024 if peak_ok else None
+        bits = None
+        if req.get("check") and req["method"] in _EXPANSIONS:
+            bits = all(torch.equal(out[e].t().contiguous().view(torch.int16),
+                                   fp8.reference_dequant(w[e], s[e]).view(torch.int16)) for e in (0, experts - 1))
+        print(json.dumps({"time": elapsed, "peak_extra": extra, "bits": bits}), flush=True)
+
+
+class _Worker:
+    def __init__(self, args) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--experts", str(args.experts), "--shape", args.shape],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def send(self, method: str, peak: bool = False, check: bool = False) -> None:
+        self.proc.stdin.write(json.dumps({"method": method, "peak": peak, "check": check}) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def _hog() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True:\n    pass"])
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return " ".join(fh.read().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--shapes", default="1536x2048,2048x768", help="per-expert N x K of each weight (w13, w2)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs in each process")
-    ap.add_argument("--rounds", type=int, default=3, help="fresh processes per method, interleaved (median time, max peak)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch default)")
+    ap.add_argument("--experts", type=int, default=12)
+    ap.add_argument("--shape", default="1536x2048", help="per-expert N x K of the fp8 weight")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of every method in every condition (medians)")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--json", action="store_true", help="print raw results as JSON too")
+    ap.add_argument("--json", action="store_true", help="print the raw times too")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    if args.child:
-        print(json.dumps(_child(args.child, args.experts, shapes, args.repeats, args.threads)))
+    n, k = (int(x) for x in args.shape.split("x"))
+    if args.worker:
+        _worker(args.experts, n, k)
         return 0
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
 
-    results: dict[str, dict] = {}
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
-    # Rounds of one fresh process per method, interleaved, so that load from
-    # other processes on the host hits every method alike.
-    for _ in range(args.rounds):
-        for method in args.methods.split(","):
-            cmd = [sys.executable, __file__, "--child", method, "--experts", str(args.experts), "--shapes",
-                   args.shapes, "--repeats", str(args.repeats), "--threads", str(args.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                print(proc.stdout, proc.stderr, file=sys.stderr)
-                return 1
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
-            if method not in results:
-                results[method] = res
-            else:
-                agg = results[method]
-                agg["times"] += res["times"]
-                if res["peak_extra_bytes"] is not None and agg["peak_extra_bytes"] is not None:
-                    agg["peak_extra_bytes"] = max(agg["peak_extra_bytes"], res["peak_extra_bytes"])
-                agg["bit_identical_to_naive"] = agg["bit_identical_to_naive"] and res["bit_identical_to_naive"]
+    load_before = _loadavg()
+    workers = [_Worker(args), _Worker(args)]
+    a, b = workers
+    times = {(m, c): [] for m in methods for c in CONDITIONS}
+    peaks = {m: [] for m in methods}
+    bits = {m: True for m in methods}
+    hog = None
+    try:
+        for r in range(args.rounds):
+            order = methods[r % len(methods):] + methods[:r % len(methods)]
+            for cond in CONDITIONS:
+                if cond == "beside-hog":
+                    hog = _hog()
+                    time.sleep(0.3)  # let it reach its core
+                for m in order:
+                    if cond == "two-proc":
+                        a.send(m)
+                        b.send(m)
+                        times[(m, cond)] += [a._read()["time"], b._read()["time"]]
+                        continue
+                    a.send(m, peak=cond == "alone", check=(r == 0 and cond == "alone"))
+                    res = a._read()
+                    times[(m, cond)].append(res["time"])
+                    if res["peak_extra"] is not None:
+                        peaks[m].append(res["peak_extra"])
+                    if res["bits"] is not None:
+                        bits[m] = bits[m] and res["bits"]
+                if hog is not None:
+                    hog.kill()
+                    hog.wait()
+                    hog = None
+    finally:
+        if hog is not None:
+            hog.kill()
+        for w in workers:
+            w.close()
 
-    expert_bf16 = max(n * k for n, k in shapes) * 2
+    med = {key: statistics.median(v) for key, v in times.items()}
     mib = 1 << 20
-    some = next(iter(results.values()))
-    print(f"{args.experts} experts of {args.shapes} (N x K), output {some['out_bytes'] / mib:.0f} MiB bf16, "
-          f"one expert bf16 = {expert_bf16 / mib:.2f} MiB, torch threads {some['threads']}, "
-          f"{args.rounds} processes x {args.repeats} runs each: median time, max peak")
-    print(f"{'method':8s} {'time s':>8s} {'vs naive':>9s} {'vs naive_t':>10s} {'vs clone':>9s} "
-          f"{'peak+ MiB':>10s} {'/ expert':>10s} {'bits ok':>8s}")
-    med = {m: statistics.median(r["times"]) for m, r in results.items()}
-    for m, r in results.items():
-        extra = r["peak_extra_bytes"]
-        cols = [
-            f"{m:8s}",
-            f"{med[m]:8.3f}",
-            f"{med['naive'] / med[m]:8.2f}x" if "naive" in med else f"{'-':>9s}",
-            f"{med['naive_t'] / med[m]:9.2f}x" if "naive_t" in med else f"{'-':>10s}",
-            f"{med['clone'] / med[m]:8.2f}x" if "clone" in med else f"{'-':>9s}",
-            f"{extra / mib:10.1f}" if extra is not None else f"{'n/a':>10s}",
-            f"{extra / expert_bf16:10.2f}" if extra is not None else f"{'n/a':>10s}",
-            f"{str(r['bit_identical_to_naive']):>8s}",
-        ]
-        print(" ".join(cols))
-    print("vs X = X's time / this time (higher is faster); peak+ = peak RSS during the run above inputs and "
-          "the preallocated output (memory beyond the output); / expert = peak+ in units of one expert's bf16 size")
+    expert_bf16 = n * k * 2
+    info = a.info
+    print(f"{args.experts} experts of {n}x{k} fp8 -> (E, K, N) bf16 ({args.experts * expert_bf16 / mib:.0f} MiB "
+          f"out); cpus {os.cpu_count()}, load avg before {load_before}, after {_loadavg()}")
+    print(f"ours: kernel {info['kernel']}{' (' + info['simd'] + ')' if info.get('simd') else ''}, default threads "
+          f"{info['default_threads']}; torch threads {info['threads']}; vllm_1l from {info['vllm_1l']}; "
+          f"{args.rounds} rounds, medians (two-proc: both processes' times)")
+    head = f"{'method':11s}" + "".join(f"{c + ' ms':>15s}" for c in CONDITIONS)
+    head += "".join(f"{'naive/' + c[:5]:>13s}" for c in CONDITIONS)
+    head += f"{'/widen':>8s}{'peak+ MiB':>11s}{'/expert':>9s}{'bits':>6s}"
+    print(head)
+    for m in methods:
+        row = f"{m:11s}" + "".join(f"{med[(m, c)] * 1e3:15.1f}" for c in CONDITIONS)
+        for c in CONDITIONS:
+            row += f"{med[('naive', c)] / med[(m, c)]:12.2f}x" if "naive" in methods else f"{'-':>13s}"
+        row += f"{med[(m, 'alone')] / med[('widen', 'alone')]:7.2f}x" if "widen" in methods else f"{'-':>8s}"
+        peak = max(peaks[m]) if peaks[m] else None
+        row += f"{peak / mib:11.1f}{peak / expert_bf16:9.2f}" if peak is not None else f"{'n/a':>11s}{'n/a':>9s}"
+        row += f"{str(bits[m]) if m in _EXPANSIONS else '-':>6s}"
+        print(row)
+    print("naive/X = naive's median time / X's in that condition (higher is faster); /widen = X's time alone / "
+          "widen's alone (1.00 = at the memory bound)")
     if args.json:
-        print(json.dumps(results, indent=1))
+        print(json.dumps({f"{m}|{c}": v for (m, c), v in times.items()}, indent=1))
     return 0
 
 

@@ -170,12 +170,15 @@ def test_call_accepting_passes_only_what_the_callee_takes():
 
 
 @fake_npu.in_fresh_process
-def test_mismatched_scale_is_refused_with_names(monkeypatch):
+def test_refusals_name_the_layer_mismatched_scales_and_reloads(monkeypatch):
     _, ExpertFp8Config = _enable_patch(monkeypatch)
     fake_npu.enable()
     _enter_vllm_config()
+    config = ExpertFp8Config(weight_block_size=[B, B])
+
+    # A weight_scale_inv that does not fit its weight: refused, naming the layer and the shapes.
     layer = _experts_layer("model.layers.7.mlp.experts")
-    method = ExpertFp8Config(weight_block_size=[B, B]).get_quant_method(layer, layer.prefix)
+    method = config.get_quant_method(layer, layer.prefix)
     with torch.device("npu"):
         method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=lambda *a, **k: None)
     for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
@@ -186,14 +189,9 @@ def test_mismatched_scale_is_refused_with_names(monkeypatch):
     with pytest.raises(ValueError, match=r"model\.layers\.7\.mlp\.experts\.w13_weight: weight_scale_inv \(3, 3, 3\)"):
         method.process_weights_after_loading(layer)
 
-
-@fake_npu.in_fresh_process
-def test_a_reload_after_expansion_is_refused(monkeypatch):
-    _, ExpertFp8Config = _enable_patch(monkeypatch)
-    fake_npu.enable()
-    _enter_vllm_config()
+    # Loading after the expansion: refused instead of writing fp8 into bf16.
     layer = _experts_layer()
-    method = ExpertFp8Config(weight_block_size=[B, B]).get_quant_method(layer, layer.prefix)
+    method = config.get_quant_method(layer, layer.prefix)
     calls = []
     method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=lambda *a, **k: calls.append(a[0]))
     w = torch.zeros(I, H, dtype=torch.float8_e4m3fn)
