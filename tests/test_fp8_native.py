@@ -134,6 +134,7 @@ def test_threads_knob(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert k8.default_threads() >= 1
     assert any("not a positive integer" in r.getMessage() for r in caplog.records)
+    assert k8._env_threads() is None  # so an invalid value leaves the per-expert choice on
 
 
 def test_adaptive_choice_tries_both_keeps_the_faster_and_probes_again():

@@ -109,19 +109,28 @@ def _warn_once(key: str, msg: str, *args) -> None:
         logger.warning(msg, *args)
 
 
+def _env_threads() -> int | None:
+    """``DRAMA3_PATCHES_FP8_THREADS`` as a positive integer; None when unset or invalid (warned once)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value >= 1:
+        return value
+    _warn_once(THREADS_ENV, "%s=%r is not a positive integer; using the default", THREADS_ENV, raw)
+    return None
+
+
 def default_threads() -> int:
     """Workers per expansion: ``DRAMA3_PATCHES_FP8_THREADS`` if set to a positive integer, else
     ``min(torch.get_num_threads(), usable cores, 8)`` (torch's count is the operator's budget
     for this process; more than 8 workers gain nothing on a memory-bound pass)."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw:
-        try:
-            value = int(raw)
-            if value >= 1:
-                return value
-        except ValueError:
-            pass
-        _warn_once(THREADS_ENV, "%s=%r is not a positive integer; using the default", THREADS_ENV, raw)
+    fixed = _env_threads()
+    if fixed:
+        return fixed
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -478,7 +487,7 @@ def dequant_experts(
         raise ValueError(f"{name}: out must be a 3-D bfloat16 tensor, got {out.dtype} {tuple(out.shape)}")
     on_cpu = out.device.type == "cpu"
     rows, width = out.shape[1], out.shape[2]
-    explicit = num_threads or (default_threads() if os.environ.get(THREADS_ENV, "").strip() else None)
+    explicit = num_threads or _env_threads()
     threads = explicit or default_threads()
     adaptive = None if explicit else _AdaptiveThreads(threads)
     chosen = resolve_kernel(kernel)
