@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,84 @@ def test_engine_core_loads_general_plugins_before_registering_kv_managers():
     init = first_lines(EngineCore.__init__)
     assert init["load_general_plugins"] < init["_initialize_kv_caches"]
     assert "register_all_kvcache_specs" in first_lines(EngineCore._initialize_kv_caches)
+
+
+# -- qwen3next-eager-attention ------------------------------------------------------------------
+
+
+def test_platform_is_cuda_and_is_xpu_are_by_platform_enum():
+    # vLLM-Ascend's NPUPlatform is PlatformEnum.OOT: vLLM's fused-kernel check is false there.
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class OutOfTree(Platform):
+        _enum = PlatformEnum.OOT
+
+    assert OutOfTree().is_cuda() is False and OutOfTree().is_xpu() is False
+    assert "_enum" in inspect.getsource(Platform.is_cuda)
+
+
+def test_only_project_qkv_gate_reads_the_fused_flag_and_only_forward_calls_it():
+    from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
+
+    readers = {
+        name for name, member in vars(Qwen3NextAttention).items() if callable(member)
+        and any(isinstance(n, ast.Attribute) and n.attr == "use_fused_qk_norm_rope_gate"
+                and isinstance(n.ctx, ast.Load) for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(member)))))
+    }
+    assert readers == {"_project_qkv_gate"}
+    callers = {name for name, member in vars(Qwen3NextAttention).items()
+               if callable(member) and _calls(member, "_project_qkv_gate")}
+    assert callers == {"forward"}
+
+
+def test_qwen3_5_layers_build_qwen3_next_attention_on_the_hf_text_config():
+    # Drama 3's backbone: its attention layers get hf_text_config (FishOmniConfig.text_config).
+    # Read, not imported: the module pulls torchvision (vision tower), which CPU test hosts lack.
+    import importlib.util
+
+    text = Path(importlib.util.find_spec("vllm.model_executor.models.qwen3_5").origin).read_text()
+    layer = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "Qwen3_5DecoderLayer")
+    source = ast.get_source_segment(text, _function(layer, "__init__"))
+    assert "config = vllm_config.model_config.hf_text_config" in source
+    assert "Qwen3NextAttention(" in source
+    assert 'config.model_type == "qwen3_5_moe_text"' in source
+
+
+# -- the published vllm-omni, read without importing it (its import patches vLLM) -----------------
+
+
+def _omni_source(rel: str) -> ast.Module:
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("vllm-omni")
+    except metadata.PackageNotFoundError:
+        pytest.skip("vllm-omni is not installed")
+    return ast.parse(Path(dist.locate_file(rel)).read_text())
+
+
+def _function(tree: ast.AST, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_omni_loader_refuses_v2_on_npu_asked_by_the_deploy_or_any_stage():
+    fn = ast.unparse(_function(_omni_source("vllm_omni/config/stage_config.py"), "_apply_platform_overrides"))
+    assert "deploy.model_runner == 'v2' or any((stage.model_runner == 'v2' for stage in deploy.stages))" in fn
+    assert "platform in {'npu', 'xpu'}" in fn and "raise NotImplementedError" in fn
+
+
+def test_omni_engine_args_take_each_stages_own_runner():
+    tree = _omni_source("vllm_omni/config/stage_config.py")
+    fn = ast.unparse(_function(tree, "_build_engine_args"))
+    assert "stage_runner = resolve_stage_model_runner(deploy, ds)" in fn
+    assert "engine_args['use_v2_model_runner'] = stage_runner == 'v2'" in fn
+    resolve = ast.unparse(_function(tree, "resolve_stage_model_runner"))
+    assert "return runner or deploy.model_runner" in resolve
+
+
+def test_omni_execute_model_passes_four_arguments_to_prepare_inputs():
+    fn = _function(_omni_source("vllm_omni/worker_v2/omni_model_runner.py"), "execute_model")
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "prepare_inputs" and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    assert [[a.id for a in c.args] for c in calls] == [
+        ["scheduler_output", "batch_req_state", "batch_desc", "num_active_loras"]]
