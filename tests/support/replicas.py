@@ -23,8 +23,6 @@ REPLICAS = Path(__file__).resolve().parents[1] / "replicas"
 ASCEND_MAIN = "ascend_main_2608"      # vllm-ascend public main, 2026-08-22 (182b75ea84)
 ASCEND_032 = "ascend_032"             # vllm-ascend 0.32 as the port describes it (not public)
 ASCEND_FIXED = "ascend_synthetic_fixed"  # synthetic: the Mamba manager already takes prefill_end
-# vllm-omni 0.30.0 stand-in: cannot import beside vLLM 0.31/0.32; kept only while other suites name it.
-OMNI_030 = "omni_030"
 
 #: The vllm-ascend profiles that stand for real releases (main is public; 0.32 is the port's).
 ASCEND_PROFILES = (ASCEND_MAIN, ASCEND_032)

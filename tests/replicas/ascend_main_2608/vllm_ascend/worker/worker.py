@@ -1,5 +1,5 @@
 # Stand-in for vllm-project/vllm-ascend, vllm_ascend/worker/worker.py (NPUWorker), public main of
-# 2026-08-22 (commit 182b75ea84). Kept: the class name, its real base (vLLM's WorkerBase), the
+# 2026-08-22 (commit 182b75ea84), compared with that file. Kept: the class name, its real base (vLLM's WorkerBase), the
 # constructor's signature, adapt_patch() before the parent constructor, the process-wide runner
 # choice `self.use_v2_model_runner = self.vllm_config.use_v2_model_runner` after it, and
 # init_device building the V2 runner (vllm_ascend.worker.v2.model_runner.NPUModelRunner) or the

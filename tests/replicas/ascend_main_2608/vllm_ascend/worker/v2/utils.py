@@ -1,5 +1,5 @@
 # Stand-in for vllm-project/vllm-ascend, vllm_ascend/worker/v2/utils.py (torch_cuda_wrapper),
-# public main of 2026-08-22 (commit 182b75ea84). Upstream points torch.cuda.Event, Stream,
+# public main of 2026-08-22 (commit 182b75ea84), compared with that file. Upstream points torch.cuda.Event, Stream,
 # stream, default_stream, current_stream, graph_pool_handle, CUDAGraph, graph, synchronize,
 # set_stream, current_device and mem_get_info at their torch.npu counterparts and never
 # restores them (its `finally` is empty). This CPU host has no torch.npu: the stand-in points
