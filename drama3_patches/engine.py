@@ -349,8 +349,9 @@ class Engine:
             if tr.state in (PENDING, SKIPPED):
                 tr.state, tr.reason = FAILED, f"not applied: {names} is missing (a patch applies all or none)"
         versions = ", ".join(f"{d} {_installed(d)}" for d in rec.spec.requires)
+        causes = "; ".join(dict.fromkeys(missing.values()))  # one line per module, not per target
         self._fail(rec, [], TargetAbsent(
-            f"{'; '.join(missing.values())} (installed: {versions}; the manifest's range admits them, "
+            f"{causes} (installed: {versions}; the manifest's range admits them, "
             "so the target moved or the code changed: update the manifest's targets or its version range)"
         ))
 

@@ -19,23 +19,18 @@ import pytest
 
 from support.subproc import run_python
 
-REPLICAS = Path(__file__).resolve().parent / "replicas"
+from support.replicas import ASCEND_MAIN, npu_worker_prelude, profile_paths
 
-# Module prefix -> why the real module cannot import on a CPU host beside vLLM 0.31/0.32,
-# and the upstream module whose stand-in the tests use instead.
+ROOT = Path(__file__).resolve().parents[1]
+
+# Module prefix -> why the module cannot import on a CPU host beside vLLM 0.31/0.32. The audit
+# imports these a second time beside the vLLM-Ascend stand-in (and vLLM-Omni's NPU runner
+# stand-ins) to show where each target then resolves: in published code, ours, or a stand-in.
 STAND_IN_ONLY = {
-    "vllm_omni.platforms.npu.worker": (
-        "vLLM-Omni's NPU workers import torch_npu and vLLM-Ascend's NPU worker",
-        "vllm_omni/platforms/npu/worker/npu_ar_worker.py",
-    ),
-    "vllm_ascend": (
-        "vLLM-Ascend has no release for vLLM 0.31/0.32 on the package index and needs torch_npu",
-        "vllm_ascend/__init__.py",
-    ),
-    "drama3_patches.patches._npu_omni_ar_runner": (
+    "vllm_omni.platforms.npu.worker": "vLLM-Omni's NPU workers import vLLM-Ascend's NPU worker",
+    "vllm_ascend": "vLLM-Ascend has no release for vLLM 0.31/0.32 on the package index and needs torch_npu",
+    "drama3_patches.patches._npu_omni_ar_runner":
         "the project's NPU Omni V2 AR runner subclasses vLLM-Ascend's V2 NPUModelRunner",
-        "vllm_ascend/worker/v2/model_runner.py",
-    ),
 }
 
 CHILD = r"""
@@ -50,14 +45,14 @@ def raw_definition(owner, name):
             return vars(klass)[name]
     return getattr(owner, name)
 
-def source_line(obj):
+def source(obj):
     for attr in ("fget", "__func__"):
         obj = getattr(obj, attr, obj)
     obj = inspect.unwrap(obj)
     try:
-        return inspect.getsourcelines(obj)[1]
-    except (OSError, TypeError):
-        return None
+        return inspect.getsourcefile(obj), inspect.getsourcelines(obj)[1], obj.__qualname__, obj.__module__
+    except (OSError, TypeError, AttributeError):
+        return None, None, None, None
 
 rows = []
 for patch in load_manifest().patches:
@@ -68,67 +63,80 @@ for patch in load_manifest().patches:
                "guards": "; ".join(why for ok, why in guards if not ok)}
         try:
             module = importlib.import_module(target.module)
-        except BaseException as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-            rows.append(row); continue
-        owner = module
-        try:
+            owner = module
             *path, name = target.attr_path
             for part in path:
                 owner = getattr(owner, part)
             obj = raw_definition(owner, name)
-        except AttributeError as exc:
-            row["error"] = f"AttributeError: {exc}"
+        except BaseException as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
             rows.append(row); continue
-        row["where"] = f"{target.module}:{source_line(obj)}"
-        row["defined_in"] = getattr(inspect.unwrap(getattr(obj, "__func__", obj)), "__qualname__", name)
+        row["file"], row["line"], row["qualname"], row["defined_in"] = source(obj)
         rows.append(row)
 print(json.dumps(rows))
 """
 
 
-def _stand_in(target_module: str):
-    for prefix, (why, mirrored) in STAND_IN_ONLY.items():
+def _audit(prelude: str = "", pythonpath=()) -> list[dict]:
+    proc = run_python(prelude + CHILD, pythonpath=list(pythonpath), timeout=600)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _stand_in_reason(target_module: str) -> str | None:
+    for prefix, why in STAND_IN_ONLY.items():
         if target_module == prefix or target_module.startswith(prefix + "."):
-            return why, mirrored
+            return why
     return None
 
 
+def _where(row: dict) -> str:
+    """``module:line`` of the definition, saying whose code it is."""
+    file = row.get("file") or ""
+    module = row["target"].split(":")[0]
+    if "replicas" in Path(file).parts:
+        return f"stand-in {Path(file).relative_to(ROOT / 'tests' / 'replicas')}:{row['line']}"
+    kind = "project" if Path(file).is_relative_to(ROOT / "drama3_patches") else "published"
+    if row.get("qualname") and row["qualname"] not in row["target"]:
+        # Inherited: say where the definition the patch wraps really lives.
+        return f"{kind} {row['defined_in']}:{row['line']} ({row['qualname']}, inherited)"
+    return f"{kind} {module}:{row['line']}"
+
+
 def _table(rows) -> str:
-    lines = ["| patch | target | guards here | resolved at / why not |", "| --- | --- | --- | --- |"]
+    lines = ["| patch | target | guards here | resolved at |", "| --- | --- | --- | --- |"]
     for r in rows:
-        if "where" in r:
-            where = r["where"]
-        elif r.get("stand_in"):
-            where = f"stand-in only: {r['stand_in']}"
-        else:
-            where = f"not importable: {r['error']}"
         guards = "pass" if r["in_range"] else r["guards"]
-        lines.append(f"| {r['patch']} | `{r['target']}` | {guards} | {where} |")
+        lines.append(f"| {r['patch']} | `{r['target']}` | {guards} | {r['audit']} |")
     return "\n".join(lines)
 
 
 @pytest.mark.vllm
 def test_every_manifest_target_resolves_or_is_a_declared_stand_in():
-    rows = json.loads(run_python(CHILD, timeout=600).stdout.strip().splitlines()[-1])
+    plain = _audit()
+    beside = {r["target"]: r for r in _audit(npu_worker_prelude(), profile_paths(ASCEND_MAIN))}
     problems = []
-    for r in rows:
-        stand_in = _stand_in(r["target"].split(":")[0])
-        if stand_in:
-            why, mirrored = stand_in
-            if "where" in r:
+    for r in plain:
+        why = _stand_in_reason(r["target"].split(":")[0])
+        if "error" not in r:
+            r["audit"] = _where(r)
+            if why:
                 problems.append(f"{r['target']} imports here: its stand-in-only claim is stale")
-            if not any(REPLICAS.glob(f"*/{mirrored}")):
-                problems.append(f"{r['target']}: no stand-in of {mirrored} under tests/replicas/")
-            found = sorted(p.relative_to(REPLICAS).parts[0] for p in REPLICAS.glob(f"*/{mirrored}"))
-            r["stand_in"] = f"{why}; stand-ins: {', '.join(found) or 'none'} (here: {r.get('error', '-')})"
-        elif r["in_range"] and "where" not in r:
+            continue
+        if r["in_range"] and not why:
             problems.append(f"{r['target']} ({r['patch']}, in range here) does not resolve: {r['error']}")
-    table = _table(rows)
+        second = beside[r["target"]]
+        if "error" in second:
+            problems.append(f"{r['target']} resolves neither here nor beside the stand-ins: {second['error']}")
+            r["audit"] = f"unresolved: {r['error']}"
+            continue
+        if not why:
+            problems.append(f"{r['target']} needs the stand-ins but is not declared stand-in-only")
+        r["audit"] = f"{_where(second)}, beside the vLLM-Ascend stand-in ({why}; here: {r['error']})"
+    table = _table(plain)
     out = os.environ.get("DRAMA3_AUDIT_OUT")
     if out:
         Path(out).write_text(table + "\n")
     print(table)
     assert not problems, "\n".join(problems)
-    # The audit really looked: at least one target resolved to a source line in upstream code.
-    assert any(r.get("where", "").rsplit(":", 1)[-1].isdigit() for r in rows)
+    # The audit really looked: every row resolved to a source line somewhere.
+    assert all(r["audit"].split(",")[0].rsplit(":", 1)[-1].split(" ")[0].isdigit() for r in plain), table
