@@ -122,15 +122,17 @@ def test_every_manifest_target_resolves_or_is_a_declared_stand_in():
             if why:
                 problems.append(f"{r['target']} imports here: its stand-in-only claim is stale")
             continue
-        if r["in_range"] and not why:
-            problems.append(f"{r['target']} ({r['patch']}, in range here) does not resolve: {r['error']}")
+        if not why:
+            if r["in_range"]:
+                problems.append(f"{r['target']} ({r['patch']}, in range here) does not resolve: {r['error']}")
+            # Out of this session's range (e.g. fish_omni beside vLLM-Omni 0.31.0rc1): nothing to apply.
+            r["audit"] = f"not in this session's code ({r['error']})"
+            continue
         second = beside[r["target"]]
         if "error" in second:
             problems.append(f"{r['target']} resolves neither here nor beside the stand-ins: {second['error']}")
             r["audit"] = f"unresolved: {r['error']}"
             continue
-        if not why:
-            problems.append(f"{r['target']} needs the stand-ins but is not declared stand-in-only")
         r["audit"] = f"{_where(second)}, beside the vLLM-Ascend stand-in ({why}; here: {r['error']})"
     table = _table(plain)
     out = os.environ.get("DRAMA3_AUDIT_OUT")
@@ -138,5 +140,6 @@ def test_every_manifest_target_resolves_or_is_a_declared_stand_in():
         Path(out).write_text(table + "\n")
     print(table)
     assert not problems, "\n".join(problems)
-    # The audit really looked: every row resolved to a source line somewhere.
-    assert all(r["audit"].split(",")[0].rsplit(":", 1)[-1].split(" ")[0].isdigit() for r in plain), table
+    # The audit really looked: every target in range here resolved to a source line somewhere.
+    assert all(r["audit"].split(",")[0].rsplit(":", 1)[-1].split(" ")[0].isdigit()
+               for r in plain if r["in_range"] or _stand_in_reason(r["target"].split(":")[0])), table
