@@ -26,6 +26,8 @@ logger = init_logger(__name__)
 PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED = "pending", "applied", "skipped", "not-needed", "failed"
 STATES = (PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED)
 MARKER = "__drama3_patch__"
+# Reason prefix of a target that failed only because another target of its patch is missing.
+ALONGSIDE = "not applied:"
 
 
 class PatchError(RuntimeError):
@@ -347,7 +349,7 @@ class Engine:
         self._restore(rec, [tr for tr in rec.targets.values() if tr.state == APPLIED])
         for tr in rec.targets.values():
             if tr.state in (PENDING, SKIPPED):
-                tr.state, tr.reason = FAILED, f"not applied: {names} is missing (a patch applies all or none)"
+                tr.state, tr.reason = FAILED, f"{ALONGSIDE} {names} is missing (a patch applies all or none)"
         versions = ", ".join(f"{d} {_installed(d)}" for d in rec.spec.requires)
         causes = "; ".join(dict.fromkeys(missing.values()))  # one line per module, not per target
         self._fail(rec, [], TargetAbsent(
@@ -430,7 +432,7 @@ class Engine:
         trs = list(rec.targets.values())
         states = [t.state for t in trs]
         # A target that failed for its own cause speaks for the patch before one failed alongside it.
-        ordered = sorted(trs, key=lambda t: t.reason.startswith("not applied:"))
+        ordered = sorted(trs, key=lambda t: t.reason.startswith(ALONGSIDE))
         first = {s: next(t for t in ordered if t.state == s) for s in states}
         pending = [t.target.spec for t in trs if t.state == PENDING]
         if FAILED in first:

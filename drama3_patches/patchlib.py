@@ -26,11 +26,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from drama3_patches.logger import init_logger
+
+_logger = init_logger(__name__)
+
 __all__ = [
     "NotNeeded",
     "PatchContext",
     "accepts",
     "accepts_var_keyword",
+    "call_accepting",
     "names",
     "overridden",
     "rewrap",
@@ -115,6 +120,24 @@ def accepts(func: Callable, name: str) -> bool:
     if name in sig.parameters:
         return sig.parameters[name].kind is not inspect.Parameter.POSITIONAL_ONLY
     return accepts_var_keyword(func)
+
+
+def call_accepting(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, leaving out the trailing positionals and the keywords ``fn``'s
+    signature has no room for (a caller that passes a newer argument to an older callee)."""
+    sig = _signature(fn)
+    if sig is None:
+        return fn(*args, **kwargs)
+    params = sig.parameters.values()
+    if not accepts_var_keyword(fn):
+        dropped = sorted(k for k in kwargs if not accepts(fn, k))
+        if dropped:
+            _logger.debug("%s takes no %s; not passed on", getattr(fn, "__qualname__", fn), dropped)
+            kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
+    if not any(p.kind is p.VAR_POSITIONAL for p in params):
+        room = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in kwargs for p in params)
+        args = args[:room]
+    return fn(*args, **kwargs)
 
 
 def unwrap_descriptor(raw: Any) -> Any:

@@ -13,7 +13,7 @@ import torch
 from drama3_patches.kernels.fp8 import reference_dequant
 from drama3_patches.patchlib import NotNeeded, PatchContext
 from support import fake_npu
-from support.replicas import ASCEND_MAIN, profile_paths
+from support.replicas import ASCEND_MAIN, apply_on_npu, profile_paths
 
 pytestmark = pytest.mark.vllm
 
@@ -36,17 +36,9 @@ def _published_config_class():
 
 def _enable_patch(monkeypatch):
     """Fresh process only: vLLM-Ascend stand-ins on sys.path, the engine on, as on an NPU host."""
-    monkeypatch.setenv("DRAMA3_PATCHES", "1")
-    monkeypatch.setenv("DRAMA3_PATCHES_PLATFORM", "npu")
-    monkeypatch.setenv("DRAMA3_PATCHES_STRICT", "1")
     sys.path[:0] = [str(p) for p in profile_paths(ASCEND_MAIN)]
     ExpertFp8Config = _published_config_class()
-    import drama3_patches
-
-    drama3_patches.apply(["fp8-expert-method"])
-    row = {p["id"]: p for p in drama3_patches.status()["patches"]}["fp8-expert-method"]
-    assert row["state"] == "applied", row
-    return drama3_patches, ExpertFp8Config
+    return apply_on_npu(monkeypatch, "fp8-expert-method"), ExpertFp8Config
 
 
 _ENTERED = []  # the entered context managers: collecting one would leave the config again
@@ -151,7 +143,7 @@ def test_experts_get_the_ascend_method_and_extra_keywords_are_passed_on(monkeypa
 
 
 def test_call_accepting_passes_only_what_the_callee_takes():
-    from drama3_patches.patches.fp8_expert_method import call_accepting
+    from drama3_patches.patchlib import call_accepting
 
     def two(layer, prefix):
         return (layer, prefix)

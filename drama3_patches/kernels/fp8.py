@@ -81,6 +81,7 @@ _CHUNK_CHOICES = (256, 128, 64, 32, 16, 8)
 _TRANSPOSE_SLAB = 32
 _SCRATCH_BYTES_PER_ELEMENT = 5  # a float32 and a uint8 buffer per worker
 _MAX_DEFAULT_THREADS = 8  # the expansion is memory bound well before this many cores
+# Operator knobs (README's environment table): a fixed worker count, and the kernel choice.
 THREADS_ENV = "DRAMA3_PATCHES_FP8_THREADS"
 KERNEL_ENV = "DRAMA3_PATCHES_FP8_KERNEL"
 KERNELS = ("auto", "native", "torch")
@@ -199,7 +200,6 @@ class _Scratch:
     """One worker's chunk buffers."""
 
     def __init__(self, chunk_rows: int, width: int) -> None:
-        self.chunk_rows = chunk_rows
         self.f32 = torch.empty(chunk_rows, width, dtype=torch.float32)
         self.u8 = torch.empty(chunk_rows, width, dtype=torch.uint8)
 
@@ -220,14 +220,10 @@ class _Workers:
         self.active = self.n  # workers used for the next expert (the adaptive choice may lower it)
         self.kernel = kernel
         self.scratches = [_Scratch(chunk_rows, width) for _ in range(self.n)] if kernel == "torch" else []
-        self._chunk_rows = chunk_rows
+        self.chunk_rows = chunk_rows
         self.codes: torch.Tensor | None = None  # transposed fp8 codes of one expert
         self._pool = None
         self._saved_threads = None
-
-    @property
-    def chunk_rows(self) -> int:
-        return self._chunk_rows
 
     def codes_for(self, rows: int, cols: int) -> torch.Tensor:
         if self.codes is None or self.codes.numel() < rows * cols:

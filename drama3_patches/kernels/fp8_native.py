@@ -352,8 +352,12 @@ _LOCK = threading.Lock()
 _STATE: dict = {}  # "lib", "nan_bits", "reason", "path"
 
 
+# Where the built kernel is cached (README's environment table).
+CACHE_DIR_ENV = "DRAMA3_PATCHES_CACHE_DIR"
+
+
 def _cache_dir() -> Path:
-    explicit = os.environ.get("DRAMA3_PATCHES_CACHE_DIR")
+    explicit = os.environ.get(CACHE_DIR_ENV)
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

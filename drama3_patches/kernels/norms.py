@@ -22,11 +22,12 @@ import torch
 __all__ = ["gemma_rms_norm", "gemma_rms_norm_table", "tower_mix_norm"]
 
 
-def _gemma_rows(x32: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise float32 rows ``[..., D]``; a new float32 tensor (``x32`` may be the caller's)."""
+def _gemma_rows(x32: torch.Tensor, weight: torch.Tensor, eps: float, beta: float = 1.0) -> torch.Tensor:
+    """Normalise float32 rows ``[..., D]`` with ``weight + beta`` (Gemma: 1); a new float32 tensor
+    (``x32`` may be the caller's)."""
     variance = x32.pow(2).mean(dim=-1, keepdim=True)
     out = x32 * torch.rsqrt(variance + eps)
-    return out.mul_(weight.to(torch.float32) + 1.0)
+    return out.mul_(weight.to(torch.float32) + beta)
 
 
 def _code_rows(code: torch.Tensor, code_mask: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

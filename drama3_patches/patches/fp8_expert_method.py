@@ -33,7 +33,7 @@ import torch
 
 from drama3_patches.kernels.fp8 import dequant_experts, expected_scale_shape
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, wrap
+from drama3_patches.patchlib import NotNeeded, PatchContext, call_accepting, wrap
 
 logger = init_logger(__name__)
 
@@ -54,34 +54,15 @@ def has_mxfp8() -> bool:
     try:
         from vllm_ascend.device import device_config
     except ImportError:
-        try:
+        try:  # older vLLM-Ascend kept the device type in utils
             from vllm_ascend.utils import get_ascend_device_type
         except ImportError:
             return False
-        return getattr(get_ascend_device_type(), "name", "") == "A5"
-    if hasattr(device_config, "is_950"):
-        return bool(device_config.is_950())
-    return getattr(device_config.get_ascend_device_type(), "name", "") == "A5"
-
-
-def call_accepting(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, leaving out the trailing positionals and the keywords that ``fn``'s
-    signature has no room for (vLLM-Ascend passes ``tid2eid`` to configs that may not take it)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return fn(*args, **kwargs)
-    params = sig.parameters.values()
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        dropped = sorted(set(kwargs) - names)
-        if dropped:
-            logger.debug("fp8-expert-method: %s takes no %s; not passed on", getattr(fn, "__qualname__", fn), dropped)
-        kwargs = {k: v for k, v in kwargs.items() if k in names}
-    if not any(p.kind is p.VAR_POSITIONAL for p in params):
-        room = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in kwargs for p in params)
-        args = args[:room]
-    return fn(*args, **kwargs)
+    else:
+        if hasattr(device_config, "is_950"):
+            return bool(device_config.is_950())
+        get_ascend_device_type = device_config.get_ascend_device_type
+    return getattr(get_ascend_device_type(), "name", "") == "A5"
 
 
 def _ascend_fp8_moe_method(config, layer, prefix: str, *args, **kwargs):

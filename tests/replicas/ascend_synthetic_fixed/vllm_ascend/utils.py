@@ -1,5 +1,5 @@
 # SYNTHETIC profile (see patch/platform/patch_mamba_manager.py): adapt_patch as in
-# vllm-project/vllm-ascend vllm_ascend/utils.py (public main of 2026-08-22), importing only the
+# vllm-project/vllm-ascend vllm_ascend/utils.py (public main of 2026-08-22, commit 182b75ea84), importing only the
 # Mamba manager patch this profile carries.
 
 
