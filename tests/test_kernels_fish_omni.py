@@ -39,11 +39,10 @@ draw_top_k_top_p            same tokens     same ``uniform`` noise, every case
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from support.subproc import ROOT, run_python
+from support.subproc import ROOT, result_of, run_python
 
 pytestmark = pytest.mark.vllm
 
@@ -76,7 +75,7 @@ def ordered(t):
     low = -(1 << (8 * t.element_size() - 1))
     return torch.where(bits < 0, low - bits, bits)
 
-def diff(got, want, scale_rows=False):
+def diff(got, want):
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
     if got.numel() == 0:
         return {"ulp": 0, "ne": 0, "n": 0, "abs": 0.0, "row_ulp": 0.0}
@@ -268,17 +267,7 @@ def measured():
     if not _published_fish_omni():
         pytest.skip("this vllm-omni has no fish_omni (Drama 3 is published from 0.32.0rc1 on)")
     proc = run_python(CHILD, pythonpath=[ROOT / "tests"], timeout=900)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
-
-
-def _worst(records, kernel_prefix, mode, dtype, key="ulp"):
-    worst = {}
-    for rec in records:
-        if rec["kernel"].startswith(kernel_prefix) and rec["mode"] == mode and rec["dtype"] == dtype:
-            for part, d in rec["parts"].items():
-                worst[part] = max(worst.get(part, 0), d[key])
-    return worst
+    return result_of(proc)
 
 
 def _cases(records, kernel, mode, dtype):
@@ -434,6 +423,6 @@ out["draw_same"] = bool(torch.equal(draw(lambda t: t), draw(lambda t: t.npu()).c
 print("RESULT" + json.dumps(out))
 """
     proc = run_python(code, timeout=600)
-    r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1][6:])
+    r = result_of(proc)
     assert r.pop("draw_same") is True
     assert all(v <= 2 for v in r.values()), r

@@ -1,9 +1,11 @@
-"""What an Ascend host must run to verify runner-selection, lora-count-forwarding and
-mamba-prefill-end on the real stack (``pytest -m npu``). Skipped elsewhere, with the reason.
+"""What an Ascend host must run to verify the patches and the upstream paths they rely on, on
+the real stack (``pytest -m npu``). Skipped elsewhere, with the reason.
 
 Needs, besides the NPU: vllm, vllm-ascend and vllm-omni installed with drama3-patches (its
-start-up hook active), and for the end-to-end test the Drama 3 checkpoint in
-``DRAMA3_NPU_MODEL`` (a local directory or hub id) on two 910B cards.
+start-up hook active), and for the checkpoint tests the Drama 3 checkpoint in
+``DRAMA3_NPU_MODEL`` (a local directory). ``DRAMA3_NPU_DEPLOY`` picks the deploy file of the
+end-to-end test (default: the 910B TP2+EP profile, which needs a fish_omni build that accepts
+tensor parallelism: the published one refuses it).
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import os
 
 import pytest
 
-from tests.support.subproc import ROOT, run_python
+from tests.support.subproc import ROOT, result_of, run_python
 
 pytestmark = pytest.mark.npu
 
 SHIPPED_DEPLOY = ROOT / "drama3_patches" / "deploy" / "drama3_910b_tp2_ep.yaml"
+DEPLOY = os.environ.get("DRAMA3_NPU_DEPLOY") or str(SHIPPED_DEPLOY)
+needs_model = pytest.mark.skipif(not os.environ.get("DRAMA3_NPU_MODEL"),
+                                 reason="set DRAMA3_NPU_MODEL to the Drama 3 checkpoint")
 ENV = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_STRICT": "1"}
 
 
 def _result(proc) -> dict:
-    return json.loads(proc.stdout.split("RESULT ")[-1])
+    return result_of(proc, "RESULT ")
 
 
 def test_deploy_config_loads_with_v2_for_stage_0_and_v1_for_stage_1():
@@ -33,15 +38,78 @@ def test_deploy_config_loads_with_v2_for_stage_0_and_v1_for_stage_1():
         from vllm_omni.config import stage_config as sc
         from vllm_omni.platforms import current_omni_platform
         deploy = sc._apply_platform_overrides(sc.load_deploy_config(sys.argv[1]))
-        stages = {ds.stage_id: ds.engine_extras.get("use_v2_model_runner") for ds in deploy.stages}
-        print("RESULT " + json.dumps({"platform": current_omni_platform.device_name,
-                                      "runner": deploy.model_runner, "stages": stages}))
+        stages = {ds.stage_id: sc.resolve_stage_model_runner(deploy, ds) for ds in deploy.stages}
+        print("RESULT " + json.dumps({"platform": current_omni_platform.device_name, "stages": stages}))
         """,
         env=ENV, args=[str(SHIPPED_DEPLOY)],
     ))
     assert out["platform"].lower() == "npu"
-    assert out["runner"] == "v2"
-    assert out["stages"] == {"0": True, "1": False}
+    # The published loader keeps each stage's own runner (stage-level model_runner).
+    assert out["stages"] == {"0": "v2", "1": "v1"}
+
+
+def test_vllm_uva_buffer_pool_uploads_reach_the_npu():
+    # fish_omni's model state uploads every step through vLLM's UvaBufferPool; which buffer class
+    # vLLM-Ascend provides (vLLM's UVA one raises off CUDA, main's wrapper has `uva` as a property
+    # while vLLM 0.32 calls it) decides whether a Drama 3 step can run.
+    out = _result(run_python(
+        """
+        import json
+        import numpy as np, torch, torch_npu  # noqa: F401
+        from vllm_ascend.utils import adapt_patch
+        adapt_patch(is_global_patch=True); adapt_patch(is_global_patch=False)
+        from vllm.v1.worker.gpu import buffer_utils
+        pool = buffer_utils.UvaBufferPool((4, 3), torch.int64, 2)
+        sent = []
+        for step in range(3):  # more steps than the pool's depth: buffers are reused
+            rows = np.arange(12, dtype=np.int64).reshape(4, 3) * (step + 1)
+            sent.append(pool.copy_to_uva(rows).to("npu", non_blocking=True))
+        torch.npu.synchronize()
+        ok = all(torch.equal(t.cpu(), torch.arange(12).reshape(4, 3) * (i + 1)) for i, t in enumerate(sent))
+        print("RESULT " + json.dumps({"ok": ok}))
+        """,
+        env=ENV,
+    ))
+    assert out["ok"] is True
+
+
+def test_seeded_noise_on_the_npu_repeats_for_the_same_seed():
+    # A seeded Drama 3 request draws its frame noise with torch.Generator(device=noise.device).
+    out = _result(run_python(
+        """
+        import json, torch, torch_npu  # noqa: F401
+        noise = torch.empty(4, 64, device="npu")
+        gen = torch.Generator(device=noise.device)
+        draws = []
+        for seed in (7, 7, 8):
+            gen.manual_seed(seed)
+            draws.append(noise[1].uniform_(generator=gen).cpu().clone())
+        print("RESULT " + json.dumps({"same": torch.equal(draws[0], draws[1]),
+                                      "differs": not torch.equal(draws[0], draws[2]),
+                                      "in_range": bool(((draws[0] >= 0) & (draws[0] < 1)).all())}))
+        """,
+        env=ENV,
+    ))
+    assert out == {"same": True, "differs": True, "in_range": True}
+
+
+@needs_model
+def test_drama3_text_config_carries_the_mrope_sections_vllm_ascend_reads():
+    # vLLM-Ascend's Qwen3-Next forward takes its qwen3_5 branch for Drama 3's text config and
+    # reads rotary_emb.mrope_section, which vLLM builds only from mRoPE rope parameters.
+    out = _result(run_python(
+        """
+        import json, sys
+        import vllm_omni.model_executor.models.fish_omni.configuration_fish_omni  # noqa: F401
+        from transformers import AutoConfig
+        text = AutoConfig.from_pretrained(sys.argv[1]).get_text_config()
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        print("RESULT " + json.dumps({"model_type": text.model_type, "rope": sorted(rope)}))
+        """,
+        env=ENV, args=[os.environ["DRAMA3_NPU_MODEL"]],
+    ))
+    assert "qwen3_5" in out["model_type"]
+    assert "mrope_section" in out["rope"], out
 
 
 def test_vllm_ascend_mamba_manager_takes_prefill_end_in_a_scheduler_allocation():
@@ -75,7 +143,7 @@ def test_vllm_ascend_mamba_manager_takes_prefill_end_in_a_scheduler_allocation()
     assert out["state"] in ("applied", "not-needed")
 
 
-@pytest.mark.skipif(not os.environ.get("DRAMA3_NPU_MODEL"), reason="set DRAMA3_NPU_MODEL to the Drama 3 checkpoint")
+@needs_model
 def test_drama3_serves_one_request_with_stage_0_on_v2_and_stage_1_on_v1(tmp_path):
     # End to end: every process reports its patches; stage 0's worker logs the V2 runner, the
     # engine cores of the hybrid AR stage schedule (prefill_end) without TypeError, and the
@@ -90,7 +158,7 @@ def test_drama3_serves_one_request_with_stage_0_on_v2_and_stage_1_on_v1(tmp_path
         print("RESULT " + str(len(outputs)))
         """,
         env={**ENV, "DRAMA3_PATCHES_REPORT_DIR": str(reports), "VLLM_LOGGING_LEVEL": "INFO"},
-        args=[os.environ["DRAMA3_NPU_MODEL"], str(SHIPPED_DEPLOY)],
+        args=[os.environ["DRAMA3_NPU_MODEL"], DEPLOY],
         timeout=1800,
     )
     log = proc.stdout + proc.stderr
@@ -104,4 +172,8 @@ def test_drama3_serves_one_request_with_stage_0_on_v2_and_stage_1_on_v1(tmp_path
     assert "applied" in states["runner-selection"]
     assert "applied" in states["lora-count-forwarding"]
     assert states["mamba-prefill-end"] & {"applied", "not-needed"}
+    # The fish_omni patches of the published model: eager tower and draws, Ascend's GDN, the
+    # host park on preemption, the FP8 experts through the Ascend method.
+    for patch_id in ("tower-sampler-eager", "gdn-backbone-ascend", "preemption-host-copy", "fp8-expert-method"):
+        assert "applied" in states[patch_id], (patch_id, states.get(patch_id))
     assert not any("failed" in s for s in states.values())

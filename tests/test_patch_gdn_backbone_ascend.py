@@ -26,7 +26,7 @@ import torch
 from drama3_patches.patches import gdn_backbone_ascend as gba
 from drama3_patches.patchlib import NotNeeded, PatchContext
 from support import fake_npu
-from support.replicas import installed
+from support.replicas import apply_on_npu, installed
 
 pytestmark = [
     pytest.mark.vllm,
@@ -187,14 +187,7 @@ def test_on_npu_the_backbone_keeps_vllms_gdn_and_cuda_still_swaps(tmp_path, monk
     assert [type(m) for m in _gdn_layers(backbone)] == [gdn.Drama3GatedDeltaNet] * 2
     assert _gdn_layers(backbone)[0].get_attn_backend() is gdn.Drama3GDNAttentionBackend
 
-    monkeypatch.setenv("DRAMA3_PATCHES", "1")
-    monkeypatch.setenv("DRAMA3_PATCHES_PLATFORM", "npu")
-    monkeypatch.setenv("DRAMA3_PATCHES_STRICT", "1")
-    import drama3_patches
-
-    drama3_patches.apply(["gdn-backbone-ascend"])
-    row = {p["id"]: p for p in drama3_patches.status()["patches"]}["gdn-backbone-ascend"]
-    assert row["state"] == "applied", row
+    drama3_patches = apply_on_npu(monkeypatch, "gdn-backbone-ascend")
     original = drama3_patches.get_original(TARGET)
     assert gdn.install_drama3_gdn.__wrapped__ is original
     assert inspect.signature(gdn.install_drama3_gdn) == inspect.signature(original)

@@ -36,7 +36,7 @@ import torch
 from drama3_patches.patches import preemption_host_copy as php
 from drama3_patches.patchlib import NotNeeded, PatchContext
 from support import fake_npu
-from support.replicas import installed
+from support.replicas import apply_on_npu, installed
 
 needs_fish_omni = pytest.mark.skipif(
     not (installed("vllm-omni") or "").startswith("0.32."),
@@ -308,15 +308,9 @@ def test_resume_after_preemption_fails_unpatched_and_is_bit_exact_patched(tmp_pa
         _scenario(state, model)
     print(f"unpatched: {failure.value}")
 
-    monkeypatch.setenv("DRAMA3_PATCHES", "1")
-    monkeypatch.setenv("DRAMA3_PATCHES_PLATFORM", "npu")
-    monkeypatch.setenv("DRAMA3_PATCHES_STRICT", "1")
-    import drama3_patches
     from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
 
-    drama3_patches.apply(["preemption-host-copy"])
-    row = {p["id"]: p for p in drama3_patches.status()["patches"]}["preemption-host-copy"]
-    assert row["state"] == "applied", row
+    drama3_patches = apply_on_npu(monkeypatch, "preemption-host-copy")
     assert FishOmniModelState.on_request_preempted.__wrapped__ is drama3_patches.get_original(TARGET)
 
     state, model = _build(vllm_config, "npu")

@@ -8,12 +8,11 @@ CPU backend needs a full model config, and the QK path never touches it).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from support.replicas import ASCEND_MAIN, profile_paths
-from support.subproc import run_python
+from support.subproc import result_of, run_python
 
 pytestmark = pytest.mark.vllm
 
@@ -230,8 +229,7 @@ print("RESULT" + json.dumps(out))
 def _result(code, platform, enabled="1", pythonpath=None):
     env = {"DRAMA3_PATCHES": enabled, "DRAMA3_PATCHES_PLATFORM": platform}
     proc = run_python(code, env=env, pythonpath=pythonpath, timeout=300)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return result_of(proc)
 
 
 def test_applied_where_vllm_would_select_the_fused_kernel():

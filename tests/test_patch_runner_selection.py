@@ -12,12 +12,11 @@ with the patch removed, to show what it changes.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from tests.support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
-from tests.support.subproc import ROOT, run_python
+from tests.support.subproc import ROOT, result_of, run_python
 
 pytestmark = pytest.mark.vllm
 
@@ -199,7 +198,7 @@ print("RESULT " + json.dumps(out))
 
 def _run(code: str, paths, args=(), **env) -> dict:
     proc = run_python(npu_worker_prelude() + code, env=npu_env(**env), pythonpath=paths, args=[str(a) for a in args])
-    return json.loads(proc.stdout.split("RESULT ")[-1])
+    return result_of(proc)
 
 
 @pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])

@@ -35,7 +35,7 @@ import logging
 
 import pytest
 
-from support.subproc import ROOT, run_python
+from support.subproc import ROOT, result_of, run_python
 
 pytestmark = pytest.mark.vllm
 
@@ -262,8 +262,7 @@ def _child(mode):
     if mode == "before-import":
         env["DRAMA3_PATCHES"] = "1"
     proc = run_python(CHILD, env=env, pythonpath=[ROOT / "tests"], args=[mode, json.dumps(TARGETS)], timeout=600)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return result_of(proc)
 
 
 def _assert_bound_to_wrappers(bindings):
@@ -435,7 +434,7 @@ def test_published_targets_launch_triton_off_cuda_and_get_their_kernels():
     from drama3_patches.patches import tower_sampler_eager as patch
 
     proc = run_python(PUBLISHED_PLAN, pythonpath=[ROOT / "tests"], args=[json.dumps(TARGETS)], timeout=300)
-    r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1][6:])
+    r = result_of(proc)
     assert r["probes"] == {
         "tower_mix_norm": "launch _mix_norm_kernel",
         "gemma_rms_norm": "launch _gemma_norm_kernel",

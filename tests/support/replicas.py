@@ -87,6 +87,19 @@ def npu_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def apply_on_npu(monkeypatch, patch_id: str):
+    """Fresh process only: the engine on as on an Ascend host (strict), ``patch_id`` applied to
+    what is imported and checked ``applied``; returns the ``drama3_patches`` module."""
+    for name, value in npu_env(DRAMA3_PATCHES_STRICT="1").items():
+        monkeypatch.setenv(name, value)
+    import drama3_patches
+
+    drama3_patches.apply([patch_id])
+    row = {p["id"]: p for p in drama3_patches.status()["patches"]}[patch_id]
+    assert row["state"] == "applied", row
+    return drama3_patches
+
+
 @contextlib.contextmanager
 def on_sys_path(*names: str):
     """Put profiles first on this process's sys.path; restore sys.path and forget the modules

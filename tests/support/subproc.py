@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,14 @@ def run_python(code: str, env: dict | None = None, pythonpath: list | None = Non
             f"child exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
         )
     return proc
+
+
+def result_of(proc: subprocess.CompletedProcess, tag: str = "RESULT"):
+    """The JSON a child printed last behind ``tag`` (``print(tag + json.dumps(...))``)."""
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag)]
+    if not lines:
+        raise AssertionError(f"the child printed no {tag} line\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+    return json.loads(lines[-1][len(tag):])
 
 
 def run_cli(*argv: str, env: dict | None = None, pythonpath: list | None = None,

@@ -58,7 +58,7 @@ def enable(rounding: str = "nearest-even") -> None:
     triton_utils.HAS_TRITON = importing.HAS_TRITON = True
     if _TRUNCATING is None:
         _TRUNCATING = interpreter._convert_float
-        _guard_launches(triton)
+        _guard_launches()
     bf16_rounding(rounding)
 
 
@@ -85,7 +85,7 @@ def _convert_rne(data, src_type, dst_type, rounding_mode):
     return _TRUNCATING(data, src_type, dst_type, rounding_mode)
 
 
-def _guard_launches(triton) -> None:
+def _guard_launches() -> None:
     # Every launch, interpreted or compiled, goes through one of these `run` methods.
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
