@@ -9,60 +9,20 @@ when a target module is first imported.
 
 from __future__ import annotations
 
-import os
 import sys
 
-ENV_ENABLE = "DRAMA3_PATCHES"
-ENV_DISABLE = "DRAMA3_PATCHES_DISABLE"
-ENV_STRICT = "DRAMA3_PATCHES_STRICT"
-ENV_PLATFORM = "DRAMA3_PATCHES_PLATFORM"
-ENV_REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
-ENV_MANIFEST = "DRAMA3_PATCHES_MANIFEST"
+from drama3_patches import env
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
-_warned: set[str] = set()
+# What the trigger calls once a target module has executed: a string, so the engine
+# (yaml, packaging, the manifest) is imported only then.
+HOOK = "drama3_patches.engine:on_import"
+ACTIVATE = "drama3_patches.engine:activate"
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        sys.stderr.write(f"drama3-patches: warning: {message}\n")
+def _call(hook: str, *args) -> None:
+    import pkgutil
 
-
-def parse_flag(name: str) -> bool:
-    """Read a boolean variable as docs/design.md says; bad values warn once."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return False
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value not in _FALSE:
-        _warn_once(
-            name,
-            f"{name}={raw!r} is not understood; accepted values are "
-            f"{'/'.join(_TRUE)} (enable) or {'/'.join(v for v in _FALSE if v)}/empty "
-            "(disable); treating it as disabled",
-        )
-    return False
-
-
-def env_enabled() -> bool:
-    return parse_flag(ENV_ENABLE)
-
-
-def manifest_path() -> str:
-    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's."""
-    override = os.environ.get(ENV_MANIFEST)
-    if override:
-        return override
-    here = os.path.dirname(os.path.abspath(__file__))
-    packaged = os.path.join(here, "patches_manifest.yaml")
-    if os.path.exists(packaged):
-        return packaged
-    return os.path.join(os.path.dirname(here), "patches_manifest.yaml")
+    pkgutil.resolve_name(hook)(*args)
 
 
 def scan_target_modules(text: str) -> list[str]:
@@ -96,9 +56,7 @@ def scan_target_modules(text: str) -> list[str]:
 
 
 def _fire(module_name: str) -> None:
-    from drama3_patches import engine  # heavy imports happen here, once a target is imported
-
-    engine.get_engine().on_import(module_name)
+    _call(HOOK, module_name)
 
 
 class _ExecThenPatch:
@@ -186,17 +144,15 @@ def install_trigger(modules) -> TriggerFinder:
 
 def activate() -> None:
     """Called by the ``.pth`` line: register triggers; patch what is already imported."""
-    if not env_enabled():
+    if not env.enabled():
         return
     try:
-        with open(manifest_path(), encoding="utf-8") as f:
+        with open(env.manifest_path(), encoding="utf-8") as f:
             modules = scan_target_modules(f.read())
     except OSError as exc:
-        _warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply")
+        env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply")
         return
     install_trigger(modules)
     # Late start: a target imported before us (rare at .pth time) is patched now.
     if any(m in sys.modules for m in modules):
-        from drama3_patches import engine
-
-        engine.get_engine().activate()
+        _call(ACTIVATE)

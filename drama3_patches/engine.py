@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from drama3_patches import _bootstrap
-from drama3_patches._bootstrap import ENV_DISABLE, ENV_REPORT_DIR, ENV_STRICT, _warn_once
+from drama3_patches import _bootstrap, env
 from drama3_patches.logger import init_logger
 from drama3_patches.manifest import Manifest, PatchSpec, Target, load_manifest
 from drama3_patches.patchlib import NotNeeded, PatchContext
@@ -71,15 +70,6 @@ class PatchRecord:
         self.targets = {t.spec: TargetRecord(t) for t in self.spec.targets}
 
 
-def _disabled_ids() -> set[str]:
-    raw = os.environ.get(ENV_DISABLE, "")
-    return {part.strip() for part in raw.split(",") if part.strip()}
-
-
-def strict() -> bool:
-    return _bootstrap.parse_flag(ENV_STRICT)
-
-
 def resolve(target: Target) -> tuple[Any, str, Any, bool]:
     """(owner, attribute, raw object, defined on owner itself) for a target."""
     module = sys.modules.get(target.module)
@@ -125,11 +115,11 @@ class Engine:
             with self._init_lock:
                 if self._records is None:
                     self._records = {p.id: PatchRecord(p) for p in self.manifest.patches}
-                    unknown = sorted(_disabled_ids() - set(self._records))
+                    unknown = sorted(env.disabled_ids() - set(self._records))
                     if unknown:
-                        _warn_once(
+                        env.warn_once(
                             "disable-unknown",
-                            f"{ENV_DISABLE} names unknown patch id(s) {', '.join(unknown)}; "
+                            f"{env.DISABLE} names unknown patch id(s) {', '.join(unknown)}; "
                             f"known ids: {', '.join(self._records)}",
                         )
         return self._records
@@ -143,7 +133,7 @@ class Engine:
         return self._platform
 
     def enabled(self) -> bool:
-        return self.forced or _bootstrap.env_enabled()
+        return self.forced or env.enabled()
 
     # -- entry points --------------------------------------------------------
     def activate(self, ids: Iterable[str] | None = None, force: bool = False) -> None:
@@ -220,11 +210,11 @@ class Engine:
         """Reason to skip, in docs/design.md's order (enabled, disabled, platform, versions), else None."""
         spec = rec.spec
         if not self.enabled():
-            return f"{_bootstrap.ENV_ENABLE} is not enabled in this process"
+            return f"{env.ENABLE} is not enabled in this process"
         if rec.removed:
             return "removed by drama3_patches.unapply()"
-        if spec.id in _disabled_ids():
-            return f"disabled by {ENV_DISABLE}"
+        if spec.id in env.disabled_ids():
+            return f"disabled by {env.DISABLE}"
         if self.platform not in spec.platforms:
             return f"platform {self.platform} not in {list(spec.platforms)}"
         from drama3_patches.versions import check
@@ -362,11 +352,11 @@ class Engine:
         for t in targets:
             tr = rec.targets[t]
             tr.state, tr.reason = FAILED, cause
-        if strict():
+        if env.strict():
             raise PatchError(f"drama3-patches: patch {rec.spec.id!r} failed to apply: {cause}") from exc
         logger.warning(
             "drama3-patches: patch %s failed to apply (%s); the original code is left in place. "
-            "Set %s=1 to make this an error.", rec.spec.id, cause, ENV_STRICT,
+            "Set %s=1 to make this an error.", rec.spec.id, cause, env.STRICT,
         )
 
     # -- installing and restoring --------------------------------------------
@@ -532,7 +522,7 @@ _report_lock = threading.Lock()
 
 def write_report(engine: Engine) -> None:
     """Write ``$DRAMA3_PATCHES_REPORT_DIR/<pid>.json`` (atomically) if the variable is set."""
-    directory = os.environ.get(ENV_REPORT_DIR)
+    directory = os.environ.get(env.REPORT_DIR)
     if not directory:
         return
     with _report_lock:
@@ -547,7 +537,7 @@ def write_report(engine: Engine) -> None:
                 json.dump(data, f, indent=1, sort_keys=True)
             os.replace(tmp, path)
         except OSError as exc:
-            _warn_once("report-dir", f"cannot write the status report to {directory}: {exc}")
+            env.warn_once("report-dir", f"cannot write the status report to {directory}: {exc}")
 
 
 _ENGINE: Engine | None = None
@@ -561,3 +551,13 @@ def get_engine() -> Engine:
             if _ENGINE is None:
                 _ENGINE = Engine()
     return _ENGINE
+
+
+def on_import(module_name: str) -> None:
+    """The import trigger's hook (``_bootstrap.HOOK``)."""
+    get_engine().on_import(module_name)
+
+
+def activate() -> None:
+    """Activation by the ``.pth`` hook or the vLLM plugin (``_bootstrap.ACTIVATE``)."""
+    get_engine().activate()

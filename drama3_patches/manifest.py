@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drama3_patches._bootstrap import manifest_path
-
-PLATFORMS = ("npu", "cuda", "cpu")
+from drama3_patches.env import PLATFORMS, manifest_path
 IMPLEMENTATION_PREFIX = "drama3_patches.patches."
 TEXT_FIELDS = ("summary", "why", "how", "upstream", "remove_when")
 KNOWN_FIELDS = {"id", "targets", "requires", "platforms", "implementation", *TEXT_FIELDS}

@@ -6,8 +6,7 @@ import importlib.util
 import os
 import sys
 
-from drama3_patches._bootstrap import ENV_PLATFORM, _warn_once
-from drama3_patches.manifest import PLATFORMS
+from drama3_patches import env
 
 
 def _detect() -> str:
@@ -28,12 +27,4 @@ def _detect() -> str:
 
 
 def current_platform() -> str:
-    override = os.environ.get(ENV_PLATFORM, "").strip().lower()
-    if override:
-        if override in PLATFORMS:
-            return override
-        _warn_once(
-            ENV_PLATFORM,
-            f"{ENV_PLATFORM}={override!r} is not one of {'|'.join(PLATFORMS)}; detecting instead",
-        )
-    return _detect()
+    return env.platform_override() or _detect()

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from drama3_patches import _bootstrap
+    from drama3_patches import env
 
-    if not _bootstrap.env_enabled():
-        return
-    from drama3_patches.engine import get_engine
+    if env.enabled():
+        from drama3_patches.engine import activate
 
-    get_engine().activate()
+        activate()

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # `support` package for helpers
 
 
 def _npu_reason() -> str | None:

@@ -50,6 +50,6 @@ def run_cli(*argv: str, env: dict | None = None, pythonpath: list | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """``drama3-patches ARGV`` as a fresh process (through ``python -m``, so no install is needed)."""
     return subprocess.run(
-        [sys.executable, "-m", "drama3_patches.cli", *argv],
+        [sys.executable, "-m", "drama3_patches.tools", *argv],
         env=child_env(env, pythonpath), capture_output=True, text=True, timeout=timeout,
     )

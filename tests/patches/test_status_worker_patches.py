@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
-from tests.support.subproc import child_env, run_cli
+from support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
+from support.subproc import child_env, run_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -28,7 +28,7 @@ def _parse(proc) -> dict:
 
 def _status_with_npu_workers(ascend: str) -> dict:
     # The command, run after the prelude that puts the NPU runner stand-ins in the real package.
-    code = npu_worker_prelude() + f"import sys\nfrom drama3_patches.cli import main\nsys.exit(main({ARGS!r}))\n"
+    code = npu_worker_prelude() + f"import sys\nfrom drama3_patches.tools import main\nsys.exit(main({ARGS!r}))\n"
     proc = subprocess.run([sys.executable, "-c", code], env=child_env(npu_env(), profile_paths(ascend)),
                           capture_output=True, text=True, timeout=600)
     return _parse(proc)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from drama3_patches import speechbench as sb
+from drama3_patches.tools.bench import speech as sb
 from support.speech_server import NATIVE_RATE, SpeechServer, wav_header
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GAP, CHUNKS = 0.15, 4  # the stream goes on for 3 x GAP after the first samples
 
 
@@ -44,7 +44,7 @@ def write_meta(d: Path, specs: list[str]) -> Path:
 
 
 def bench(server, meta, *args):
-    return subprocess.run([sys.executable, "-m", "drama3_patches.cli", "bench", "--url", server.url, "--meta",
+    return subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", "--url", server.url, "--meta",
                            str(meta), *args], capture_output=True, text=True, env=_env(), timeout=300)
 
 
@@ -191,7 +191,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         (tmp_path / "wavs" / "ref0.wav").unlink()
     else:
         args[1] = "127.0.0.1:9"
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.cli", "bench", *args], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", *args], capture_output=True, text=True,
                        env=_env(), timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
@@ -252,7 +252,7 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
         port = sock.getsockname()[1]
     meta = write_meta(tmp_path, ["audio=0.2", "audio=0.3"])
     out = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", "--url", f"http://127.0.0.1:{port}",
                         "--meta", str(meta), "--concurrency", "2", "--limit", "2", "--warmup", "1", "--json",
                         str(out)], capture_output=True, text=True, env=_env(), timeout=60)
     assert r.returncode == 1

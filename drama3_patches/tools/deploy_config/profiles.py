@@ -1,4 +1,4 @@
-"""The NPU deploy configs shipped in ``drama3_patches/deploy/`` and a schema check.
+"""The NPU deploy configs shipped in ``drama3_patches/tools/deploy_config/configs/`` and a schema check.
 
 The profiles are derived from vLLM-Omni 0.32.0rc1's published ``vllm_omni/deploy/fish_omni.yaml``
 (:data:`DIFFERENCES_FROM_PUBLISHED` lists every key that differs, and why). The schema mirrors
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-PACKAGE = "drama3_patches.deploy"
+PACKAGE = "drama3_patches.tools.deploy_config.configs"
 
-# profile name -> file in drama3_patches/deploy/
+# profile name -> file in drama3_patches/tools/deploy_config/configs/
 PROFILES = {
     "910b-tp2-ep": "drama3_910b_tp2_ep.yaml",
     "mxfp8-1card": "drama3_mxfp8_1card.yaml",

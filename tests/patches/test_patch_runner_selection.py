@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
-from tests.support.subproc import ROOT, result_of, run_python
+from support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
+from support.subproc import ROOT, result_of, run_python
 
 pytestmark = pytest.mark.vllm
 

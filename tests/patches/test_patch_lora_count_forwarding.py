@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from tests.support.replicas import ASCEND_032, ASCEND_MAIN, CPU_IMPORT_PRELUDE, npu_env, profile_paths
-from tests.support.subproc import run_python
+from support.replicas import ASCEND_032, ASCEND_MAIN, CPU_IMPORT_PRELUDE, npu_env, profile_paths
+from support.subproc import run_python
 
 pytestmark = pytest.mark.vllm
 

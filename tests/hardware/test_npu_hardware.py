@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.support.subproc import ROOT, result_of, run_python
+from support.subproc import ROOT, result_of, run_python
 
 pytestmark = pytest.mark.npu
 

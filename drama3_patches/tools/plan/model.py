@@ -26,7 +26,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 
-from drama3_patches.cards import GIB, Card
+from drama3_patches.tools.plan.cards import GIB, Card
 
 DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,

@@ -17,8 +17,8 @@ import shutil
 
 import pytest
 
-from tests.support.replicas import ASCEND_032, ASCEND_FIXED, ASCEND_MAIN, npu_env, profile, profile_paths
-from tests.support.subproc import run_python
+from support.replicas import ASCEND_032, ASCEND_FIXED, ASCEND_MAIN, npu_env, profile, profile_paths
+from support.subproc import run_python
 
 pytestmark = pytest.mark.vllm
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drama3_patches import deployconf
-from tests.support.replicas import ASCEND_MAIN, installed, profile
+from drama3_patches.tools.deploy_config import profiles as deployconf
+from support.replicas import ASCEND_MAIN, installed, profile
 
-REPO = Path(__file__).resolve().parents[1]
-DEPLOY_DIR = REPO / "drama3_patches" / "deploy"
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY_DIR = REPO / "drama3_patches" / "tools" / "deploy_config" / "configs"
 
 
 def _env():
@@ -31,7 +31,7 @@ def _env():
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "drama3_patches.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "drama3_patches.tools", *args], capture_output=True, text=True,
                           env=_env(), cwd=cwd, timeout=120)
 
 

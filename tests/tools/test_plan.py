@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from drama3_patches import planner
-from drama3_patches.cards import GIB, lookup
-from drama3_patches.commands import plan as plan_cmd
+from drama3_patches.tools.plan import model as planner
+from drama3_patches.tools.plan.cards import GIB, lookup
+from drama3_patches.tools import plan as plan_cmd
 from support.checkpoints import CFG, STANDIN_CFG, tensor_specs, write_checkpoint, write_safetensors
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def expected(cfg, tp, ep):
@@ -58,7 +58,7 @@ def expected(cfg, tp, ep):
 
 
 def plan_json(ckpt, *args):
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.cli", "plan", str(ckpt), "--json", *args],
+    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "plan", str(ckpt), "--json", *args],
                        capture_output=True, text=True, env=_env(), timeout=120)
     assert r.returncode in (0, 1), r.stderr
     return r.returncode, json.loads(r.stdout)
@@ -71,7 +71,7 @@ def _env():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "drama3_patches.cli", "plan", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "drama3_patches.tools", "plan", *args], capture_output=True,
                           text=True, env=_env(), timeout=120)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.replicas import (
+from support.replicas import (
     ASCEND_032,
     ASCEND_MAIN,
     NPU_WORKER_PACKAGE,
@@ -26,7 +26,7 @@ from tests.support.replicas import (
     on_sys_path,
     profile_paths,
 )
-from tests.support.subproc import run_python
+from support.subproc import run_python
 
 ALL = sorted(p.name for p in REPLICAS.iterdir() if p.is_dir())
 RUNNER_STAND_INS = sorted(OMNI_NPU_RUNNERS.values())

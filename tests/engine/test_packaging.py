@@ -12,7 +12,7 @@ import pytest
 
 from support.selftest import write_manifest, write_target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.packaging
 
 
@@ -55,13 +55,13 @@ def test_wheel_contents(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "drama3_patches.pth" in names  # the wheel root lands in site-packages
     assert "drama3_patches/patches_manifest.yaml" in names
-    assert any(n.startswith("drama3_patches/deploy/") and n.endswith(".yaml") for n in names)
+    assert any(n.startswith("drama3_patches/tools/deploy_config/configs/") and n.endswith(".yaml") for n in names)
     pth = zipfile.ZipFile(wheel).read("drama3_patches.pth").decode()
     assert pth == (ROOT / "drama3_patches.pth").read_text()
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[vllm.general_plugins]" in text and "drama3_patches = drama3_patches.plugin:register" in text
-    assert "drama3-patches = drama3_patches.cli:main" in text
+    assert "drama3-patches = drama3_patches.tools:main" in text
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["wheel", "editable"])

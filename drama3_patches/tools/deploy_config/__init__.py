@@ -6,7 +6,7 @@ import sys
 
 
 def register(sub) -> None:
-    from drama3_patches.deployconf import DEFAULT_PROFILE, PROFILES
+    from drama3_patches.tools.deploy_config.profiles import DEFAULT_PROFILE, PROFILES
 
     p = sub.add_parser(
         "deploy-config",
@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from drama3_patches.deployconf import PROFILES, profile_names, profile_text, validate
+    from drama3_patches.tools.deploy_config.profiles import PROFILES, profile_names, profile_text, validate
 
     if getattr(args, "list", False):
         for name in profile_names():

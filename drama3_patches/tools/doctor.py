@@ -69,10 +69,10 @@ def check_entry_point(entry_points=None) -> Check:
 
 
 def check_env(env) -> list[Check]:
-    from drama3_patches._bootstrap import _TRUE, ENV_ENABLE
+    from drama3_patches.env import ENABLE as ENV_ENABLE, flag_value
 
     raw = env.get(ENV_ENABLE)
-    enabled = raw is not None and raw.strip().lower() in _TRUE  # the rule the start-up hook applies
+    enabled = raw is not None and flag_value(raw) is True  # the rule the start-up hook applies
     if enabled:
         checks = [Check(ENV_ENABLE, True, f"{ENV_ENABLE}={raw} in this shell")]
     elif raw is None:
@@ -217,3 +217,12 @@ def report(checks: list[Check], out) -> int:
     bad = [c for c in checks if not c.ok]
     out.write("ready\n" if not bad else f"not ready: {len(bad)} problem(s)\n")
     return 0 if not bad else 1
+
+def register(sub) -> None:
+    p = sub.add_parser("doctor", help="check versions, activation hooks and NPUs; print a fix for each problem")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    print(f"drama3-patches doctor: {sys.executable}")
+    return report(run_checks(), sys.stdout)

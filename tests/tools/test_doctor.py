@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from drama3_patches import doctor
+from drama3_patches.tools import doctor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 MANIFEST = SimpleNamespace(patches=[
     SimpleNamespace(id="a", requires={"vllm": ">=0.31,<0.34", "vllm-ascend": ">=0.11.0rc0"}, platforms=("npu",)),
@@ -129,7 +129,7 @@ def _fake_torch_npu(tmp_path, body):
 
 
 def _probe_with(path):
-    code = "import json; from drama3_patches import doctor; print(json.dumps(doctor.probe_npu(timeout=120)))"
+    code = "import json; from drama3_patches.tools import doctor; print(json.dumps(doctor.probe_npu(timeout=120)))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), str(REPO)]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -165,7 +165,7 @@ def test_command_on_this_host():
         pytest.skip("torch_npu is installed here: this test is for hosts without it")
     env = dict(os.environ, PYTHONPATH=str(REPO), ASCEND_RT_VISIBLE_DEVICES="0,1")
     env.pop("DRAMA3_PATCHES", None)
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.cli", "doctor"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "doctor"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 1
     lines = r.stdout.splitlines()
@@ -175,7 +175,7 @@ def test_command_on_this_host():
     assert lines[i + 1].startswith('         fix: pip install "torch-npu')
     assert lines[-1].startswith("not ready: ")
     env["DRAMA3_PATCHES"] = "1"
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.cli", "doctor"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "doctor"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert "  [ok] DRAMA3_PATCHES: DRAMA3_PATCHES=1 in this shell" in r.stdout.splitlines()
 

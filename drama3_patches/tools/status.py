@@ -21,7 +21,7 @@ def register(sub) -> None:
 
 
 def _collect(args) -> int:
-    from drama3_patches.report import collect, render_collected
+    from drama3_patches.tools.report import collect, render_collected
 
     try:
         collected = collect(args.collect)
@@ -47,7 +47,7 @@ def run(args) -> int:
         return _collect(args)
     from drama3_patches.engine import PatchError, get_engine
     from drama3_patches.manifest import ManifestError
-    from drama3_patches.report import render_status
+    from drama3_patches.tools.report import render_status
 
     engine = get_engine()
     try:

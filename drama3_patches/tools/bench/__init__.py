@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from drama3_patches import speechbench as sb
+    from drama3_patches.tools.bench import speech as sb
 
     def fail(msg: str) -> int:
         print(f"drama3-patches bench: {msg}", file=sys.stderr)

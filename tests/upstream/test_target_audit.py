@@ -21,7 +21,7 @@ from support.subproc import run_python
 
 from support.replicas import ASCEND_MAIN, npu_worker_prelude, profile_paths
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Module prefix -> why the module cannot import on a CPU host beside vLLM 0.31/0.32. The audit
 # imports these a second time beside the vLLM-Ascend stand-in (and vLLM-Omni's NPU runner

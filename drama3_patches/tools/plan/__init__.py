@@ -44,8 +44,8 @@ def _gib(x: float) -> str:
 
 
 def run(args) -> int:
-    from drama3_patches.cards import UnknownCard, lookup
-    from drama3_patches.planner import Options, PlanError, load_checkpoint, make_plan, smallest_fit
+    from drama3_patches.tools.plan.cards import UnknownCard, lookup
+    from drama3_patches.tools.plan.model import Options, PlanError, load_checkpoint, make_plan, smallest_fit
 
     def fail(msg: str, code: int = 2) -> int:
         print(f"drama3-patches plan: {msg}", file=sys.stderr)

@@ -1,7 +1,10 @@
-"""``drama3-patches``: status, list and the operator commands.
+"""``drama3-patches``: the operator tools, apart from the serving path.
 
-Each subcommand lives in ``drama3_patches/commands/<name>.py`` with
-``register(subparsers)``; heavy imports happen inside the command's ``run``.
+No serving process imports this package: the patches, the engine and the
+start-up hook live beside it in ``drama3_patches``.  Each subcommand is the
+module or package of its name here (``list`` -> ``tools.list``, ``deploy-config``
+-> ``tools.deploy_config``), holding its command line (``register(subparsers)``)
+and its logic; heavy imports happen inside the command's ``run``.
 Exit codes: 0 all good, 1 a patch (or check) failed, 2 usage error.
 """
 
@@ -11,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("status", "listing", "deploy_config", "plan", "doctor", "bench")
+COMMANDS = ("status", "list", "deploy_config", "plan", "doctor", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"drama3_patches.commands.{name}")
+            module = importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name == f"drama3_patches.commands.{name}":
+            if exc.name == f"{__name__}.{name}":
                 continue
             raise
         module.register(sub)
@@ -46,6 +49,3 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ from drama3_patches.manifest import ManifestError, load_manifest, parse_manifest
 from support.selftest import write_manifest, write_target
 from support.subproc import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "patches_manifest.yaml"
 CONTRACT_IDS = [
     "runner-selection", "lora-count-forwarding", "mamba-prefill-end", "qwen3next-eager-attention",

@@ -172,7 +172,7 @@ def _load(tmp_path, device: str) -> dict:
     from pathlib import Path
 
     env = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu", "DRAMA3_PATCHES_STRICT": "1",
-           "D3P_TESTS": str(Path(__file__).resolve().parent)}
+           "D3P_TESTS": str(Path(__file__).resolve().parents[1])}
     proc = run_python(CHILD.format(E=E, H=H, I=I), env=env, pythonpath=profile_paths(ASCEND_MAIN),
                       args=[str(tmp_path), device], timeout=600)
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,91 @@
+"""The environment contract (docs/design.md): variable names, flag parsing, warnings, manifest path.
+
+A leaf: standard library only, and it imports nothing of this package, so the
+``.pth`` hook, the engine and the tools all read the environment the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENABLE = "DRAMA3_PATCHES"
+DISABLE = "DRAMA3_PATCHES_DISABLE"
+STRICT = "DRAMA3_PATCHES_STRICT"
+PLATFORM = "DRAMA3_PATCHES_PLATFORM"
+REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
+MANIFEST = "DRAMA3_PATCHES_MANIFEST"
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("", "0", "false", "no", "off")
+PLATFORMS = ("npu", "cuda", "cpu")
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """One stderr line per key and process (logging may not be configured this early)."""
+    if key not in _warned:
+        _warned.add(key)
+        sys.stderr.write(f"drama3-patches: warning: {message}\n")
+
+
+def flag_value(raw: str | None) -> bool | None:
+    """True / False for an accepted spelling, None for one that is not understood."""
+    value = (raw or "").strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    return None
+
+
+def parse_flag(name: str) -> bool:
+    """Read a boolean variable as docs/design.md says; bad values warn once and count as off."""
+    raw = os.environ.get(name)
+    value = flag_value(raw)
+    if value is None:
+        warn_once(
+            name,
+            f"{name}={raw!r} is not understood; accepted values are "
+            f"{'/'.join(TRUE)} (enable) or {'/'.join(v for v in FALSE if v)}/empty "
+            "(disable); treating it as disabled",
+        )
+        return False
+    return value
+
+
+def enabled() -> bool:
+    return parse_flag(ENABLE)
+
+
+def strict() -> bool:
+    return parse_flag(STRICT)
+
+
+def disabled_ids() -> set[str]:
+    raw = os.environ.get(DISABLE, "")
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def platform_override() -> str | None:
+    """The platform $DRAMA3_PATCHES_PLATFORM names, None when unset; a bad value warns once."""
+    raw = os.environ.get(PLATFORM, "").strip().lower()
+    if not raw:
+        return None
+    if raw in PLATFORMS:
+        return raw
+    warn_once(PLATFORM, f"{PLATFORM}={raw!r} is not one of {'|'.join(PLATFORMS)}; detecting instead")
+    return None
+
+
+def manifest_path() -> str:
+    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's."""
+    override = os.environ.get(MANIFEST)
+    if override:
+        return override
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(here, "patches_manifest.yaml")
+    if os.path.exists(packaged):
+        return packaged
+    return os.path.join(os.path.dirname(here), "patches_manifest.yaml")
