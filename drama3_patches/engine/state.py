@@ -1,0 +1,154 @@
+"""State and report: what each patch and target is, and the files and dicts that say so.
+
+This room keeps the records, derives a patch's state from its targets' states,
+builds the ``status --json`` dict and writes ``$DRAMA3_PATCHES_REPORT_DIR/<pid>.json``.
+It changes no code object; the install room does that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from drama3_patches import env
+from drama3_patches.manifest import Manifest, PatchSpec, Target
+
+PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED = "pending", "applied", "skipped", "not-needed", "failed"
+STATES = (PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED)
+# Reason prefix of a target that failed only because another target of its patch is missing.
+ALONGSIDE = "not applied:"
+# Distributions every status names, besides those the manifest requires.
+REPORTED_DISTS = ("vllm", "vllm-ascend", "vllm-omni", "torch")
+
+
+@dataclass
+class TargetRecord:
+    target: Target
+    state: str = PENDING
+    reason: str = "target module not imported yet"
+    owner: Any = None
+    attr: str = ""
+    had_own: bool = True
+    original: Any = None
+    replacement: Any = None
+    aliases: list = field(default_factory=list)  # [(module, name)] rebound to the replacement
+
+    def as_dict(self) -> dict:
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "aliases": [f"{m}.{n}" for m, n in self.aliases],
+        }
+
+
+@dataclass
+class PatchRecord:
+    spec: PatchSpec
+    state: str = PENDING
+    reason: str = "no target module imported yet"
+    removed: bool = False  # unapply() took it out; apply() puts it back
+    lock: Any = field(default_factory=threading.RLock, repr=False)
+    targets: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.targets = {t.spec: TargetRecord(t) for t in self.spec.targets}
+
+
+def build_records(manifest: Manifest) -> dict[str, PatchRecord]:
+    """One record per manifest entry; ids in $DRAMA3_PATCHES_DISABLE that match none warn once."""
+    records = {p.id: PatchRecord(p) for p in manifest.patches}
+    unknown = sorted(env.disabled_ids() - set(records))
+    if unknown:
+        env.warn_once(
+            "disable-unknown",
+            f"{env.DISABLE} names unknown patch id(s) {', '.join(unknown)}; "
+            f"known ids: {', '.join(records)}",
+        )
+    return records
+
+
+def fingerprint(rec: PatchRecord) -> tuple:
+    """What a report shows of ``rec``: compared before and after a change."""
+    return (rec.state, rec.reason, tuple((t.state, t.reason) for t in rec.targets.values()))
+
+
+def settle(rec: PatchRecord) -> None:
+    """Derive the patch's state from its targets'."""
+    trs = list(rec.targets.values())
+    states = [t.state for t in trs]
+    # A target that failed for its own cause speaks for the patch before one failed alongside it.
+    ordered = sorted(trs, key=lambda t: t.reason.startswith(ALONGSIDE))
+    first = {s: next(t for t in ordered if t.state == s) for s in states}
+    pending = [t.target.spec for t in trs if t.state == PENDING]
+    if FAILED in first:
+        rec.state, rec.reason = FAILED, f"{first[FAILED].target.spec}: {first[FAILED].reason}"
+    elif APPLIED in first:
+        rec.state = APPLIED
+        rec.reason = "patched" if not pending else f"patched; waiting for {', '.join(pending)}"
+    elif SKIPPED in first:
+        rec.state, rec.reason = SKIPPED, first[SKIPPED].reason
+    elif NOT_NEEDED in first and not pending:
+        rec.state, rec.reason = NOT_NEEDED, first[NOT_NEEDED].reason
+    else:
+        rec.state = PENDING
+        rec.reason = "waiting for import of " + ", ".join(
+            dict.fromkeys(t.target.module for t in trs if t.state == PENDING)
+        )
+
+
+def installed(dist: str) -> str | None:
+    from drama3_patches.versions import installed_version
+
+    return installed_version(dist)
+
+
+def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[str, PatchRecord]) -> dict:
+    """The ``status --json`` dict (docs/design.md)."""
+    dists = sorted({d for p in manifest.patches for d in p.requires} | set(REPORTED_DISTS))
+    return {
+        "enabled": enabled,
+        "platform": platform,
+        "versions": {d: installed(d) for d in dists},
+        "pid": os.getpid(),
+        "manifest": str(manifest.path),
+        "patches": [
+            {
+                "id": rec.spec.id,
+                "state": rec.state,
+                "reason": rec.reason,
+                "targets": [t.spec for t in rec.spec.targets],
+                "requires": dict(rec.spec.requires),
+                "platforms": list(rec.spec.platforms),
+                "target_states": {s: tr.as_dict() for s, tr in rec.targets.items()},
+            }
+            for rec in records.values()
+        ],
+    }
+
+
+_report_lock = threading.Lock()
+
+
+def write_report(engine) -> None:
+    """Write ``$DRAMA3_PATCHES_REPORT_DIR/<pid>.json`` (atomically) if the variable is set."""
+    directory = os.environ.get(env.REPORT_DIR)
+    if not directory:
+        return
+    with _report_lock:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            data = engine.snapshot()
+            data["argv"] = list(sys.argv)
+            data["written_at"] = time.time()
+            path = os.path.join(directory, f"{os.getpid()}.json")
+            tmp = f"{path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as exc:
+            env.warn_once("report-dir", f"cannot write the status report to {directory}: {exc}")
