@@ -5,6 +5,8 @@
 
 Only pairs that can run together are tested: each vLLM-Omni pre-release imports
 only beside its own vLLM minor (0.30.0 imports beside neither 0.31 nor 0.32).
+The pairs come from drama3_patches/tools/pairings.py, which `doctor` checks a
+host against.
 vLLM 0.31.0 and 0.32.0 pin torch 2.13.0; the CPU build is installed first so
 pip keeps it.  The vLLM wheels pull torchvision, torchaudio and torchcodec,
 whose compiled ops do not load beside CPU torch, so they are removed again.
@@ -13,14 +15,28 @@ here), plus the pure-Python packages that the modules this project patches
 import, at the versions vLLM-Omni declares.
 """
 
+import importlib.util
+import pathlib
+
 import nox
+
+
+def _pairings():
+    # By file path: the project is not installed where nox runs, and doctor reads the same table.
+    path = pathlib.Path(__file__).resolve().parent / "drama3_patches" / "tools" / "pairings.py"
+    spec = importlib.util.spec_from_file_location("drama3_pairings", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
-TORCH = "torch==2.13.0"
-# (vllm, vllm-omni): the pairs a deployment can run.
-PAIRS = [("0.31.0", "0.31.0rc1"), ("0.32.0", "0.32.0rc1")]
+_PAIRINGS = _pairings()
+TORCH = f"torch=={_PAIRINGS.nox_torch()}"
+# (vllm, vllm-omni): the pairs a deployment can run (drama3_patches/tools/pairings.py).
+PAIRS = _PAIRINGS.nox_pairs()
 OMNI_IMPORTS = ["aenum==3.1.16", "diffusers==0.40.0", "omegaconf>=2.3.0", "prettytable>=3.8.0"]
 
 

@@ -31,12 +31,15 @@ def clear_cache() -> None:
     installed_version.cache_clear()
 
 
-def check(dist: str, specifier: str) -> tuple[bool, str]:
-    """(ok, reason) for one guard; pre-, dev- and local versions are accepted."""
+def check(dist: str, specifier: str, installed=None) -> tuple[bool, str]:
+    """(ok, reason) for one guard; pre-, dev- and local versions are accepted.
+
+    ``installed`` (dist -> version or None) replaces the lookup, so doctor can judge given versions.
+    """
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
-    found = installed_version(dist)
+    found = (installed or installed_version)(dist)
     if found is None:
         return False, f"{dist} is not installed"
     try:

@@ -69,7 +69,7 @@ def check_entry_point(entry_points=None) -> Check:
 
 
 def check_env(env) -> list[Check]:
-    from drama3_patches.env import ENABLE as ENV_ENABLE, flag_value
+    from drama3_patches.env import ENABLE as ENV_ENABLE, PLATFORM, PLATFORMS, flag_value
 
     raw = env.get(ENV_ENABLE)
     enabled = raw is not None and flag_value(raw) is True  # the rule the start-up hook applies
@@ -79,10 +79,15 @@ def check_env(env) -> list[Check]:
         checks = [Check(ENV_ENABLE, False, f"{ENV_ENABLE} is not set in this shell", f"export {ENV_ENABLE}=1")]
     else:
         checks = [Check(ENV_ENABLE, False, f"{ENV_ENABLE}={raw!r} leaves the patches off", f"export {ENV_ENABLE}=1")]
-    plat = env.get("DRAMA3_PATCHES_PLATFORM")
-    if plat and plat.strip().lower() != "npu":
-        checks.append(Check("DRAMA3_PATCHES_PLATFORM", False, f"DRAMA3_PATCHES_PLATFORM={plat} overrides detection: "
-                            "the NPU patches will not apply", "unset DRAMA3_PATCHES_PLATFORM"))
+    plat = env.get(PLATFORM)
+    value = (plat or "").strip().lower()
+    # The engine's rule (env.platform_override): a known name overrides detection, anything else is ignored.
+    if value in PLATFORMS and value != "npu":
+        checks.append(Check(PLATFORM, False, f"{PLATFORM}={plat} overrides detection: "
+                            "the NPU patches will not apply", f"unset {PLATFORM}"))
+    elif value and value not in PLATFORMS:
+        checks.append(Check(PLATFORM, False, f"{PLATFORM}={plat!r} is not one of {'|'.join(PLATFORMS)}: the engine "
+                            "ignores it and warns at every start", f"unset {PLATFORM}"))
     return checks
 
 
@@ -104,8 +109,8 @@ def _install(dist: str, spec: str) -> str:
 
 
 def check_versions(manifest, installed) -> list[Check]:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    """Each distribution against the ranges of the npu patches that name it (versions.check's rule)."""
+    from drama3_patches.versions import check
 
     checks = []
     for dist, pairs in sorted(_ranges(manifest).items()):
@@ -115,17 +120,89 @@ def check_versions(manifest, installed) -> list[Check]:
             checks.append(Check(dist, False, f"not installed; needed by {', '.join(i for i, _ in pairs)}",
                                 _install(dist, combined)))
             continue
-        try:
-            version = Version(found)
-        except InvalidVersion:
+        verdicts = [(pid, check(dist, spec, installed)) for pid, spec in pairs]
+        unreadable = next((why for _, (ok, why) in verdicts if not ok and "not a PEP 440 version" in why), None)
+        if unreadable:
             checks.append(Check(dist, False, f"{found} is not a PEP 440 version", _install(dist, combined)))
             continue
-        outside = [pid for pid, s in pairs if not SpecifierSet(s, prereleases=True).contains(version, prereleases=True)]
+        outside = [pid for pid, (ok, _) in verdicts if not ok]
         if outside:
             checks.append(Check(dist, False, f"{found} is outside the range of {', '.join(outside)} "
                                 f"(these patches would be skipped)", _install(dist, combined)))
         else:
             checks.append(Check(dist, True, f"{found} matches {combined}"))
+    return checks
+
+
+def _pairs_text() -> str:
+    from drama3_patches.tools.pairings import PAIRINGS
+
+    return ", ".join(f"vLLM {p.vllm} + vllm-omni {p.vllm_omni}" for p in PAIRINGS)
+
+
+def check_pairings(installed) -> list[Check]:
+    """vLLM / vllm-omni / torch against the pairs the test matrix runs; vllm-ascend and torch-npu
+    against what is documented for them (said on their lines)."""
+    from drama3_patches.tools import pairings as pt
+
+    checks = []
+    # A version that does not parse is the range check's failure already.
+    vllm, omni, torch = (v if v and pt.release(v) else None
+                         for v in (installed("vllm"), installed("vllm-omni"), installed("torch")))
+    by_vllm = pt.for_vllm(vllm) if vllm else None
+    by_omni = pt.for_omni(omni) if omni else None
+    # The row a fix moves towards: the installed vLLM's (vLLM-Ascend and torch are built for it),
+    # else the installed vLLM-Omni's, else the newest.
+    target = by_vllm or by_omni or pt.PAIRINGS[-1]
+
+    if vllm is not None:
+        if by_vllm:
+            checks.append(Check("vllm pairing", True, f"vLLM {vllm} is in a tested pair (vLLM {by_vllm.vllm})"))
+        else:
+            checks.append(Check("vllm pairing", False, f"vLLM {vllm} is in no tested pair ({_pairs_text()})",
+                                _install("vllm", f"=={target.vllm}")))
+    if omni is not None and vllm is not None:
+        if omni in pt.UNPAIRED_OMNI:
+            checks.append(Check("vllm-omni pairing", False, f"vllm-omni {omni} {pt.UNPAIRED_OMNI[omni]}",
+                                _install("vllm-omni", f"=={target.vllm_omni}")))
+        elif by_omni is None:
+            checks.append(Check("vllm-omni pairing", False, f"vllm-omni {omni} is in no tested pair ({_pairs_text()})",
+                                _install("vllm-omni", f"=={target.vllm_omni}")))
+        elif by_vllm is not None and by_omni != by_vllm:
+            also = (f"; for Drama 3 (fish_omni, vllm-omni {pt.DRAMA3_OMNI}) move vLLM instead: "
+                    + _install("vllm", f"=={by_omni.vllm}")) if by_omni.vllm_omni == pt.DRAMA3_OMNI else ""
+            checks.append(Check("vllm-omni pairing", False,
+                                f"vllm-omni {omni} imports only beside vLLM {'.'.join(map(str, pt.minor(by_omni.vllm)))}.x, "
+                                f"not beside vLLM {vllm}{also}",
+                                _install("vllm-omni", f"=={by_vllm.vllm_omni}")))
+        elif by_vllm is not None:
+            exact = "tested pair" if omni == by_omni.vllm_omni else f"same minor as the tested {by_omni.vllm_omni}"
+            checks.append(Check("vllm-omni pairing", True, f"vllm-omni {omni} beside vLLM {vllm} ({exact})"))
+    if torch is not None and by_vllm is not None:
+        if pt.release(torch) == pt.release(by_vllm.torch):
+            checks.append(Check("torch pairing", True, f"torch {torch} is what vLLM {by_vllm.vllm} pins (tested)"))
+        else:
+            checks.append(Check("torch pairing", False, f"torch {torch}, but vLLM {by_vllm.vllm} pins "
+                                f"torch=={by_vllm.torch} (tested)", _install("torch", f"=={by_vllm.torch}")))
+    ascend = installed("vllm-ascend")
+    if ascend is not None and pt.release(ascend) and by_vllm is not None:
+        documented = f"documented, not tested: vllm-ascend {by_vllm.vllm_ascend}.x is built for vLLM {by_vllm.vllm}"
+        if pt.minor(ascend) == pt.minor(by_vllm.vllm_ascend):
+            checks.append(Check("vllm-ascend pairing", True, f"vllm-ascend {ascend} ({documented})"))
+        else:
+            checks.append(Check("vllm-ascend pairing", False, f"vllm-ascend {ascend} beside vLLM {vllm} "
+                                f"({documented})", _install("vllm-ascend", f"=={by_vllm.vllm_ascend}.*")))
+    npu = installed("torch-npu")
+    # torch-npu follows the torch the pair pins (else the installed torch): a wrong torch is its own line.
+    want = by_vllm.torch_npu if by_vllm else (".".join(map(str, pt.release(torch)[:3])) if torch else None)
+    if npu is not None and pt.release(npu) and want:
+        if pt.release(npu)[:3] == pt.release(want)[:3]:
+            checks.append(Check("torch-npu pairing", True, f"torch-npu {npu} matches torch {want} "
+                                "(documented, not tested)"))
+        else:
+            checks.append(Check("torch-npu pairing", False, f"torch-npu {npu}, but torch {want} needs torch-npu "
+                                f"{want} (documented, not tested)",
+                                f'pip install "torch-npu=={want}"   (needs the CANN toolkit)'))
     return checks
 
 
@@ -205,24 +282,61 @@ def run_checks(env=None, dirs=None, entry_points=None, installed=None, npu=None,
     if manifest is not None:
         checks += check_versions(manifest, installed)
     probe = probe_npu() if npu is None else npu
+    checks += check_pairings(installed)
     checks += check_npu(probe, env, installed("torch"))
     return checks
 
 
-def report(checks: list[Check], out) -> int:
-    for c in checks:
-        out.write(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}\n")
-        if not c.ok and c.fix:
-            out.write(f"         fix: {c.fix}\n")
+def patch_status(timeout: float = 300.0) -> dict:
+    """The engine's own status of every patch on npu with the patches on, from a child process
+    (``drama3-patches status --json``): the guards are the engine's, not re-derived here."""
+    from drama3_patches.env import ENABLE, PLATFORM
+
+    env = dict(os.environ, **{ENABLE: "1", PLATFORM: "npu"})
+    cmd = [sys.executable, "-m", "drama3_patches.tools", "status", "--json"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"`drama3-patches status --json` took over {timeout:g} s"}
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"`drama3-patches status --json` failed (exit {r.returncode}): {tail}"}
+
+
+def patch_lines(status: dict) -> list[str]:
+    """What the engine would do with each patch on an NPU with these versions."""
+    from drama3_patches.tools.report import table
+
+    head = "patches on npu with these versions (the engine's guards, DRAMA3_PATCHES=1):"
+    if "error" in status:
+        return [head, f"  unknown: {status['error']}"]
+    said = {"pending": "applies", "applied": "applies"}
+    rows = [[p["id"], said.get(p["state"], p["state"]), p["reason"]] for p in status.get("patches", [])]
+    applies = sum(1 for r in rows if r[1] == "applies")
+    return [head, table(rows, indent="  "), f"  {applies} of {len(rows)} would apply"]
+
+
+def report(checks: list[Check], out, patches: dict | None = None) -> int:
+    from drama3_patches.tools.report import check_lines
+
+    for line in check_lines(checks):
+        out.write(line + "\n")
+    if patches is not None:
+        for line in patch_lines(patches):
+            out.write(line + "\n")
     bad = [c for c in checks if not c.ok]
     out.write("ready\n" if not bad else f"not ready: {len(bad)} problem(s)\n")
     return 0 if not bad else 1
 
+
 def register(sub) -> None:
-    p = sub.add_parser("doctor", help="check versions, activation hooks and NPUs; print a fix for each problem")
+    p = sub.add_parser("doctor", help="check versions and their pairing, activation hooks and NPUs; print a fix for "
+                                      "each problem and what the patches would do")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     print(f"drama3-patches doctor: {sys.executable}")
-    return report(run_checks(), sys.stdout)
+    return report(run_checks(), sys.stdout, patch_status())

@@ -68,6 +68,9 @@ def test_all_ready_exits_zero(tmp_path):
     ("wrong_ep", "drama3_patches points at elsewhere:register", "pip install --force-reinstall"),
     ("old_vllm", "0.31.2 is outside the range of b (these patches would be skipped)",
      'VLLM_TARGET_DEVICE=empty pip install --no-binary vllm "vllm>=0.31,<0.34,>=0.32"'),
+    ("bad_version", "vllm-ascend: banana is not a PEP 440 version",
+     "build vllm-ascend from source (https://github.com/vllm-project/vllm-ascend) at a version matching >=0.11.0rc0"),
+    ("platform_bad", "DRAMA3_PATCHES_PLATFORM='gpu' is not one of npu|cuda|cpu", "unset DRAMA3_PATCHES_PLATFORM"),
     ("no_omni", "vllm-omni: not installed; needed by b", 'pip install "vllm-omni>=0.30.0"'),
     ("no_ascend", "vllm-ascend: not installed; needed by a",
      "build vllm-ascend from source (https://github.com/vllm-project/vllm-ascend) at a version matching >=0.11.0rc0"),
@@ -96,7 +99,12 @@ def test_each_problem_gets_its_fix(tmp_path, case, line, fix):
     elif case == "wrong_ep":
         kw["eps"] = (SimpleNamespace(name=doctor.PLUGIN_NAME, value="elsewhere:register"),)
     elif case == "old_vllm":
-        kw["versions"] = {"vllm": "0.31.2"}
+        # A tested pair (vLLM 0.31 + vllm-omni 0.31.0rc1) that patch b's range leaves out.
+        kw["versions"] = {"vllm": "0.31.2", "vllm-omni": "0.31.0rc1", "vllm-ascend": "0.31.0"}
+    elif case == "bad_version":
+        kw["versions"] = {"vllm-ascend": "banana"}
+    elif case == "platform_bad":
+        env["DRAMA3_PATCHES_PLATFORM"] = "gpu"
     elif case == "no_omni":
         kw["versions"] = {"vllm-omni": None}
     elif case == "no_ascend":
@@ -119,6 +127,112 @@ def test_each_problem_gets_its_fix(tmp_path, case, line, fix):
     (i,) = [n for n, x in enumerate(lines) if x.startswith("  [FAIL]")]
     assert line in lines[i]
     assert lines[i + 1].startswith("         fix: ") and fix in lines[i + 1]
+
+
+def _fails(text):
+    """(line, fix) of every [FAIL] line."""
+    lines = text.splitlines()
+    return [(x, lines[n + 1] if n + 1 < len(lines) and lines[n + 1].startswith("         fix: ") else "")
+            for n, x in enumerate(lines) if x.startswith("  [FAIL]")]
+
+
+PAIR_MANIFEST = SimpleNamespace(patches=[
+    SimpleNamespace(id="p", requires={"vllm": ">=0.31.0,<0.33", "vllm-omni": ">=0.30.0,<0.33"}, platforms=("npu",)),
+])
+
+
+def _pair_checks(tmp_path, **versions):
+    base = {"drama3-patches": "0.1.0", "vllm": "0.32.0", "vllm-omni": "0.32.0rc1", "vllm-ascend": "0.32.0",
+            "torch": "2.13.0", "torch-npu": "2.13.0.post1"}
+    base.update(versions)
+    return doctor.run_checks(env={"DRAMA3_PATCHES": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}, dirs=_site(tmp_path),
+                             entry_points=[EP], installed=base.get, npu={"count": 2, "torch_npu": "x", "torch": "y"},
+                             manifest=PAIR_MANIFEST)
+
+
+@pytest.mark.parametrize("vllm,omni", [("0.31.0", "0.31.0rc1"), ("0.32.0", "0.32.0rc1"), ("0.32.1", "0.32.0rc1")])
+def test_a_tested_pair_is_ready(tmp_path, vllm, omni):
+    rc, text = _report(_pair_checks(tmp_path, vllm=vllm, **{"vllm-omni": omni, "vllm-ascend": vllm[:4] + ".0"}))
+    assert rc == 0, text
+    assert f"  [ok] vllm-omni pairing: vllm-omni {omni} beside vLLM {vllm} (" in text
+    assert f"  [ok] torch pairing: torch 2.13.0 is what vLLM {vllm[:4]}.0 pins (tested)" in text
+    assert "(documented, not tested: vllm-ascend" in text  # the Ascend side is not proven by the matrix
+    assert "  [ok] torch-npu pairing: torch-npu 2.13.0.post1 matches torch 2.13.0 (documented, not tested)" in text
+
+
+def test_mismatched_pair_prints_the_exact_fix(tmp_path):
+    """vllm-omni 0.32.0rc1 beside vLLM 0.31: align vllm-omni with the installed vLLM (its vLLM-Ascend and
+    torch are built for it), and say how to reach Drama 3's pair instead."""
+    rc, text = _report(_pair_checks(tmp_path, vllm="0.31.0", **{"vllm-ascend": "0.31.0"}))
+    assert rc == 1
+    (line, fix), = _fails(text)
+    assert line.startswith("  [FAIL] vllm-omni pairing: vllm-omni 0.32.0rc1 imports only beside vLLM 0.32.x, "
+                           "not beside vLLM 0.31.0")
+    assert 'move vLLM instead: VLLM_TARGET_DEVICE=empty pip install --no-binary vllm "vllm==0.32.0"' in line
+    assert fix == '         fix: pip install "vllm-omni==0.31.0rc1"'
+    # The other direction: the 0.31 pre-release beside vLLM 0.32.
+    rc, text = _report(_pair_checks(tmp_path, **{"vllm-omni": "0.31.0rc1"}))
+    (line, fix), = _fails(text)
+    assert "vllm-omni 0.31.0rc1 imports only beside vLLM 0.31.x, not beside vLLM 0.32.0" in line
+    assert fix == '         fix: pip install "vllm-omni==0.32.0rc1"'
+
+
+@pytest.mark.parametrize("vllm", ["0.31.0", "0.32.0"])
+def test_vllm_omni_030_pairs_with_neither(tmp_path, vllm):
+    rc, text = _report(_pair_checks(tmp_path, vllm=vllm, **{"vllm-omni": "0.30.0", "vllm-ascend": vllm}))
+    assert rc == 1
+    (line, fix), = _fails(text)
+    assert line == ("  [FAIL] vllm-omni pairing: vllm-omni 0.30.0 imports beside neither vLLM 0.31 nor 0.32 "
+                    "(RoutedExpertsLists is missing from vllm.v1.outputs)")
+    assert fix == f'         fix: pip install "vllm-omni=={vllm[:4]}.0rc1"'
+
+
+@pytest.mark.parametrize("versions,line,fix", [
+    ({"torch": "2.12.1"}, "  [FAIL] torch pairing: torch 2.12.1, but vLLM 0.32.0 pins torch==2.13.0 (tested)",
+     '         fix: pip install "torch==2.13.0"'),
+    ({"vllm": "0.33.0", "vllm-omni": "0.32.0rc1"},
+     "  [FAIL] vllm pairing: vLLM 0.33.0 is in no tested pair (vLLM 0.31.0 + vllm-omni 0.31.0rc1, "
+     "vLLM 0.32.0 + vllm-omni 0.32.0rc1)",
+     '         fix: VLLM_TARGET_DEVICE=empty pip install --no-binary vllm "vllm==0.32.0"'),
+    ({"vllm-ascend": "0.31.0"},
+     "  [FAIL] vllm-ascend pairing: vllm-ascend 0.31.0 beside vLLM 0.32.0 (documented, not tested: "
+     "vllm-ascend 0.32.x is built for vLLM 0.32.0)",
+     "         fix: build vllm-ascend from source (https://github.com/vllm-project/vllm-ascend) at a version "
+     "matching ==0.32.*"),
+    ({"torch-npu": "2.12.0"},
+     "  [FAIL] torch-npu pairing: torch-npu 2.12.0, but torch 2.13.0 needs torch-npu 2.13.0 (documented, not tested)",
+     '         fix: pip install "torch-npu==2.13.0"   (needs the CANN toolkit)'),
+])
+def test_each_pairing_mismatch_gets_its_fix(tmp_path, versions, line, fix):
+    rc, text = _report(_pair_checks(tmp_path, **versions))
+    assert rc == 1
+    assert _fails(text)[-1] == (line, fix), text
+
+
+def test_patch_status_is_the_engines(tmp_path):
+    status = {"patches": [
+        {"id": "a", "state": "pending", "reason": "waiting for import of x"},
+        {"id": "bb", "state": "skipped", "reason": "vllm-ascend is not installed"},
+        {"id": "c", "state": "disabled", "reason": "listed in DRAMA3_PATCHES_DISABLE"},
+    ]}
+    rc, text = _report_with(_pair_checks(tmp_path), status)
+    assert rc == 0
+    assert text.splitlines()[-6:] == [
+        "patches on npu with these versions (the engine's guards, DRAMA3_PATCHES=1):",
+        "  a   applies   waiting for import of x",
+        "  bb  skipped   vllm-ascend is not installed",
+        "  c   disabled  listed in DRAMA3_PATCHES_DISABLE",
+        "  1 of 3 would apply",
+        "ready",
+    ]
+    rc, text = _report_with(_pair_checks(tmp_path), {"error": "`drama3-patches status --json` failed (exit 1): boom"})
+    assert "  unknown: `drama3-patches status --json` failed (exit 1): boom" in text.splitlines()
+
+
+def _report_with(checks, status):
+    out = io.StringIO()
+    rc = doctor.report(checks, out, status)
+    return rc, out.getvalue()
 
 
 def _fake_torch_npu(tmp_path, body):
@@ -176,8 +290,21 @@ def test_command_on_this_host():
     assert lines[-1].startswith("not ready: ")
     env["DRAMA3_PATCHES"] = "1"
     r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "doctor"], capture_output=True, text=True,
-                       env=env, timeout=120)
-    assert "  [ok] DRAMA3_PATCHES: DRAMA3_PATCHES=1 in this shell" in r.stdout.splitlines()
+                       env=env, timeout=300)
+    lines = r.stdout.splitlines()
+    assert "  [ok] DRAMA3_PATCHES: DRAMA3_PATCHES=1 in this shell" in lines
+    # The patch table is the engine's status on npu with this host's versions.
+    s = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "status", "--json"], capture_output=True,
+                       text=True, env=dict(env, DRAMA3_PATCHES_PLATFORM="npu"), timeout=300)
+    import json
+
+    engine = json.loads(s.stdout)["patches"]
+    i = lines.index("patches on npu with these versions (the engine's guards, DRAMA3_PATCHES=1):")
+    rows = [line.split(None, 2) for line in lines[i + 1:i + 1 + len(engine)]]
+    assert [(r[0], r[1]) for r in rows] == [
+        (p["id"], "applies" if p["state"] in ("pending", "applied") else p["state"]) for p in engine]
+    assert lines[i + 1 + len(engine)] == (
+        f"  {sum(p['state'] in ('pending', 'applied') for p in engine)} of {len(engine)} would apply")
 
 
 @pytest.mark.npu
