@@ -1,7 +1,21 @@
-"""Run code in a fresh interpreter with the project importable (tier 1 and replica tests)."""
+"""The one way tests start a fresh interpreter (the project importable, the shell's
+DRAMA3_PATCHES* variables dropped).
+
+Most isolation needs only a fresh module state, which ``@pytest.mark.forked`` gives. A fresh
+interpreter is for what a fork cannot give: start-up behaviour (the ``.pth`` hook and the
+environment it reads), a sys.path that must hold before modules the parent already imported,
+and a parent that must not load a device runtime before it forks.
+
+* :func:`call` runs a module-level function of a test or support module in a fresh interpreter
+  and returns what it returned (JSON): child code stays real Python.
+* :func:`run_cli` runs ``drama3-patches ARGV``, :func:`run_pytest` a pytest run of the suite's
+  own tiers; :func:`run_python` runs a short ``python -c`` snippet, for the few children that
+  are about interpreter start itself.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +24,23 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+_TAG = "DRAMA3_TEST_RESULT "
+
+
+class ChildFailed(AssertionError):
+    """A child exited non-zero; ``proc`` holds its streams."""
+
+    def __init__(self, proc: subprocess.CompletedProcess) -> None:
+        super().__init__(
+            f"child exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+        self.proc = proc
+
+    @property
+    def last_error(self) -> str:
+        """The child's last non-empty stderr line (``ImportError: ...`` for a failed import)."""
+        lines = [ln.strip() for ln in self.proc.stderr.splitlines() if ln.strip()]
+        return lines[-1] if lines else f"exit status {self.proc.returncode}"
 
 
 def child_env(env: dict | None = None, pythonpath: list | None = None) -> dict:
@@ -23,23 +54,22 @@ def child_env(env: dict | None = None, pythonpath: list | None = None) -> dict:
     return base
 
 
-def run_python(code: str, env: dict | None = None, pythonpath: list | None = None,
-               timeout: float = 300, check: bool = True, args: list | None = None,
-               executable: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``code`` in ``python -c``; with ``check`` a non-zero exit fails with both streams shown."""
-    proc = subprocess.run(
-        [executable or sys.executable, "-c", textwrap.dedent(code), *(args or [])],
-        env=child_env(env, pythonpath), capture_output=True, text=True, timeout=timeout,
-    )
+def _run(argv: list, env, pythonpath, timeout, check, cwd=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, env=child_env(env, pythonpath), capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"child exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
-        )
+        raise ChildFailed(proc)
     return proc
 
 
+def run_python(code: str, env: dict | None = None, pythonpath: list | None = None,
+               timeout: float = 300, check: bool = True, args: list | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in ``python -c``; with ``check`` a non-zero exit fails with both streams shown."""
+    return _run([sys.executable, "-c", textwrap.dedent(code), *(args or [])], env, pythonpath, timeout, check)
+
+
 def result_of(proc: subprocess.CompletedProcess, tag: str = "RESULT"):
-    """The JSON a child printed last behind ``tag`` (``print(tag + json.dumps(...))``)."""
+    """The JSON a ``run_python`` child printed last behind ``tag`` (``print(tag + json.dumps(...))``)."""
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag)]
     if not lines:
         raise AssertionError(f"the child printed no {tag} line\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
@@ -49,7 +79,62 @@ def result_of(proc: subprocess.CompletedProcess, tag: str = "RESULT"):
 def run_cli(*argv: str, env: dict | None = None, pythonpath: list | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """``drama3-patches ARGV`` as a fresh process (through ``python -m``, so no install is needed)."""
-    return subprocess.run(
-        [sys.executable, "-m", "drama3_patches.tools", *argv],
-        env=child_env(env, pythonpath), capture_output=True, text=True, timeout=timeout,
-    )
+    return _run([sys.executable, "-m", "drama3_patches.tools", *argv], env, pythonpath, timeout, False)
+
+
+def run_pytest(*argv: str, env: dict | None = None, pythonpath: list | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """``pytest ARGV`` from the project root (its setup.cfg), as a fresh process."""
+    return _run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv], env, pythonpath, timeout,
+                False, cwd=ROOT)
+
+
+def call(func, *args, env: dict | None = None, pythonpath: list | None = None, timeout: float = 300,
+         prelude=None):
+    """``func(*args)`` in a fresh interpreter; returns its JSON-able result.
+
+    ``func`` is a module-level function; the child loads its file (a test module or a support
+    module) by path, so the module's own imports run there first. ``prelude``, another such
+    function, runs before that (for set-up that must precede every import of the module).
+    ``pythonpath`` entries come first on the child's path, then the project and ``tests/``.
+    A failure in the child fails the caller with the child's traceback (:class:`ChildFailed`).
+    """
+    spec = [_address(func), _address(prelude) if prelude else None, list(args)]
+    proc = _run([sys.executable, "-m", "support.subproc", json.dumps(spec)], env,
+                [*(pythonpath or []), TESTS], timeout, True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_TAG)]
+    if not lines:
+        raise AssertionError(f"the child returned nothing\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+    return json.loads(lines[-1][len(_TAG):])
+
+
+def _address(func) -> list:
+    if "<locals>" in func.__qualname__:
+        raise ValueError(f"{func.__qualname__} is not module-level: a fresh interpreter cannot find it")
+    return [str(Path(func.__code__.co_filename).resolve()), func.__qualname__]
+
+
+def _load(path: str, qualname: str):
+    name = Path(path).stem
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "__file__", None) != path:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    target = module
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _child_main(argv: list) -> None:
+    (path, qualname), prelude, args = json.loads(argv[0])
+    if prelude:
+        _load(*prelude)()
+    result = _load(path, qualname)(*args)
+    print(_TAG + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
