@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import textwrap
 
 
 def register(sub) -> None:
@@ -14,6 +13,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from drama3_patches.manifest import ManifestError, load_manifest
+    from drama3_patches.tools.report import field_lines
 
     try:
         manifest = load_manifest()
@@ -30,8 +30,6 @@ def run(args) -> int:
         if args.verbose:
             for label, text in (("why", p.why), ("how", p.how), ("upstream", p.upstream),
                                 ("remove when", p.remove_when)):
-                wrapped = textwrap.fill(text, width=96, initial_indent=f"    {label}: ",
-                                        subsequent_indent=" " * (len(label) + 6))
-                print(wrapped)
+                print(field_lines(label, text))
         print()
     return 0

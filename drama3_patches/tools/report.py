@@ -1,24 +1,62 @@
-"""Render status as a table, and collect the per-process report files."""
+"""Rendering for the operator tools: tables, byte sizes, check lines; and the per-process status reports.
+
+``status``, ``list``, ``plan`` and ``doctor`` print through the helpers here, so
+a table or a size reads the same in every command.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 from dataclasses import dataclass, field
 
+GIB = 1024 ** 3
+MIB = 1024 ** 2
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [len(h) for h in headers]
-    for row in rows:
+
+def table(rows: list[list[str]], headers: list[str] | None = None, indent: str = "") -> str:
+    """Columns two spaces apart; a header row is underlined with dashes. The last column is free
+    text and is not padded."""
+    every = ([headers] if headers else []) + [list(r) for r in rows]
+    widths: list[int] = []
+    for row in every:
         for i, cell in enumerate(row):
+            if i == len(widths):
+                widths.append(0)
             widths[i] = max(widths[i], len(cell))
-    # The last column is free text: do not pad it.
-    def line(cells):
-        return "  ".join(c.ljust(widths[i]) if i < len(cells) - 1 else c for i, c in enumerate(cells)).rstrip()
 
-    out = [line(headers), line(["-" * w for w in widths])]
+    def line(cells):
+        return (indent + "  ".join(c.ljust(widths[i]) if i < len(cells) - 1 else c
+                                   for i, c in enumerate(cells))).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths[:len(headers)]])] if headers else []
     out.extend(line(r) for r in rows)
     return "\n".join(out)
+
+
+def format_bytes(n: float, width: int = 8) -> str:
+    """GiB, or MiB below 1 GiB so that small figures do not print as 0.00."""
+    if abs(n) < GIB:
+        return f"{n / MIB:{width}.2f} MiB"
+    return f"{n / GIB:{width}.2f} GiB"
+
+
+def check_lines(checks) -> list[str]:
+    """``[ok]`` / ``[FAIL]`` lines of objects with ``ok``, ``name``, ``detail``, ``fix``; a fix under
+    its failure."""
+    out = []
+    for c in checks:
+        out.append(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+        if not c.ok and c.fix:
+            out.append(f"         fix: {c.fix}")
+    return out
+
+
+def field_lines(label: str, text: str, indent: int = 4, width: int = 96) -> str:
+    """``label: text`` wrapped, continuation lines under the text."""
+    return textwrap.fill(text, width=width, initial_indent=f"{' ' * indent}{label}: ",
+                         subsequent_indent=" " * (len(label) + indent + 2))
 
 
 def _guard(patch: dict) -> str:
@@ -42,7 +80,7 @@ def render_status(data: dict) -> str:
             if ts.get("aliases"):
                 note += f" (also rebound: {', '.join(ts['aliases'])})"
             rows.append(["", "", "  " + target, note])
-    return "\n".join(head) + _table(["PATCH", "STATE", "GUARD / TARGETS", "REASON"], rows)
+    return "\n".join(head) + table(rows, ["PATCH", "STATE", "GUARD / TARGETS", "REASON"])
 
 
 @dataclass
@@ -107,7 +145,7 @@ def render_collected(c: Collected, directory: str) -> str:
         for p in proc["patches"]:
             if p["state"] == "applied":
                 summary.setdefault(p["id"], []).append(str(proc.get("pid")))
-    lines = [_table(["PID", "PLATFORM", "PATCH", "STATE", "REASON"], rows), ""]
+    lines = [table(rows, ["PID", "PLATFORM", "PATCH", "STATE", "REASON"]), ""]
     lines.append(f"{len(c.processes)} process report(s) in {directory}")
     for pid_list_id, pids in summary.items():
         lines.append(f"  {pid_list_id}: applied in pid {', '.join(pids)}")
