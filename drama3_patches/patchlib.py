@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -36,6 +37,8 @@ __all__ = [
     "accepts",
     "accepts_var_keyword",
     "call_accepting",
+    "function_wrapper",
+    "is_proxy",
     "names",
     "overridden",
     "rewrap",
@@ -91,12 +94,42 @@ def wrap(original: Callable, *, signature: inspect.Signature | None = None):
     """
 
     def decorate(wrapper: Callable) -> Callable:
+        if is_proxy(wrapper):
+            # update_wrapper would set __name__, __doc__, __signature__ ... through the proxy onto
+            # the object it wraps: the original would change.
+            raise TypeError("wrap() decorates a plain function; a wrapt proxy already reads "
+                            "through to its original (use function_wrapper alone)")
         functools.update_wrapper(wrapper, original)
         if signature is not None:
             wrapper.__signature__ = signature
         return wrapper
 
     return decorate
+
+
+def function_wrapper(raw: Any, wrapper: Callable) -> Any:
+    """``wrapt.FunctionWrapper(raw, wrapper)``: ``wrapper(wrapped, instance, args, kwargs)`` runs
+    in place of ``raw``.
+
+    wrapt binds by descriptor kind, so ``raw`` may be the class-dict entry ``ctx.original``
+    gives (function, ``classmethod``, ``staticmethod``): ``instance`` is the object, the class,
+    or None as the kind says, and ``wrapped`` is already bound.  Introspection
+    (``__name__``, ``__qualname__``, ``__doc__``, ``inspect.signature``, ``__wrapped__``) reads
+    through to ``raw``.  Attribute sets on the proxy land on ``raw``, so a replacement that
+    accepts more than ``raw`` (a new parameter, a new ``__signature__``) is a plain function
+    made with :func:`wrap` instead.  wrapt is imported here, never at interpreter start.
+    """
+    import wrapt
+
+    return wrapt.FunctionWrapper(raw, wrapper)
+
+
+def is_proxy(obj: Any) -> bool:
+    """Whether ``obj`` is a wrapt proxy (``FunctionWrapper`` included), which writes attribute
+    sets through to what it wraps."""
+    wrapt = sys.modules.get("wrapt")  # no proxy can exist before wrapt is imported
+    # wrapt 2 puts FunctionWrapper under BaseObjectProxy, not under its public ObjectProxy.
+    return wrapt is not None and isinstance(obj, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy))
 
 
 def _signature(func: Callable) -> inspect.Signature | None:
@@ -141,13 +174,20 @@ def call_accepting(fn: Callable, *args, **kwargs):
 
 
 def unwrap_descriptor(raw: Any) -> Any:
-    """The function inside a ``classmethod``/``staticmethod``, else ``raw`` itself."""
+    """The function inside a ``classmethod``/``staticmethod`` (a ``property``'s getter), else ``raw``."""
+    if isinstance(raw, property):
+        return raw.fget
     return raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
 
 
 def rewrap(raw: Any, make: Callable[[Callable], Callable]) -> Any:
-    """``make(function)`` wrapped again in the descriptor ``raw`` came in (class dict entries)."""
+    """``make(function)`` wrapped again in the descriptor ``raw`` came in (class dict entries).
+
+    A ``property`` gets ``make(getter)`` as its new getter; its setter, deleter and doc stay.
+    """
     new = make(unwrap_descriptor(raw))
+    if isinstance(raw, property):
+        return type(raw)(new, raw.fset, raw.fdel, raw.__doc__)
     return type(raw)(new) if isinstance(raw, (classmethod, staticmethod)) else new
 
 

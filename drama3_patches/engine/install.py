@@ -20,6 +20,7 @@ from typing import Any, Iterable
 from drama3_patches.engine.state import APPLIED, PENDING, TargetRecord
 from drama3_patches.logger import init_logger
 from drama3_patches.manifest import Target
+from drama3_patches.patchlib import is_proxy
 
 logger = init_logger(__name__)
 
@@ -63,11 +64,6 @@ def resolve(target: Target) -> Resolved:
     return Resolved(owner, attr, raw, had_own)
 
 
-def _is_proxy(obj: Any) -> bool:
-    wrapt = sys.modules.get("wrapt")
-    return wrapt is not None and isinstance(obj, wrapt.ObjectProxy)
-
-
 class Installer:
     """Puts replacements in place and takes them out again; knows which objects are ours."""
 
@@ -77,7 +73,7 @@ class Installer:
     def mark(self, repl: Any, patch_id: str) -> None:
         self._ours[id(repl)] = (patch_id, repl)
         try:
-            setattr(repl, PROXY_MARKER if _is_proxy(repl) else MARKER, patch_id)
+            setattr(repl, PROXY_MARKER if is_proxy(repl) else MARKER, patch_id)
         except (AttributeError, TypeError):
             pass  # e.g. a property: the identity registry above still knows it
 
@@ -88,7 +84,7 @@ class Installer:
             hit = self._ours.get(id(obj))
             if hit is not None and hit[1] is obj:
                 return hit[0]
-            if _is_proxy(obj):
+            if is_proxy(obj):
                 mark = getattr(obj, PROXY_MARKER, None)
             else:
                 try:

@@ -7,21 +7,29 @@ its original result with `` [patched]`` appended.  Feature detection: an
 original carrying ``upstream_fixed = True`` is left alone (``not-needed``); a
 target whose name contains ``broken`` makes ``plan`` fail, to exercise the
 failure path.
+
+Functions, methods, classmethods and staticmethods are wrapped with a wrapt
+``FunctionWrapper`` around the raw entry (it binds by descriptor kind); a
+property gets a wrapped getter.
 """
 
 from __future__ import annotations
 
-from drama3_patches.patchlib import NotNeeded, PatchContext, rewrap, wrap
+from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper, rewrap, wrap
 
 SUFFIX = " [patched]"
 
 
-def _wrapped(func):
-    @wrap(func)
-    def wrapper(*args, **kwargs):
-        return f"{func(*args, **kwargs)}{SUFFIX}"
+def _suffixed(wrapped, instance, args, kwargs):
+    return f"{wrapped(*args, **kwargs)}{SUFFIX}"
 
-    return wrapper
+
+def _getter(fget):
+    @wrap(fget)
+    def getter(self):
+        return f"{fget(self)}{SUFFIX}"
+
+    return getter
 
 
 def plan(ctx: PatchContext) -> dict:
@@ -35,5 +43,8 @@ def plan(ctx: PatchContext) -> dict:
                 raise NotNeeded(f"{target} carries upstream_fixed")
             ctx.leave(target, "upstream_fixed is set")
             continue
-        out[target] = rewrap(original, _wrapped)
+        if isinstance(original, property):
+            out[target] = rewrap(original, _getter)
+        else:
+            out[target] = function_wrapper(original, _suffixed)
     return out
