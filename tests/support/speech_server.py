@@ -5,11 +5,18 @@ SSE events ``speech.audio.delta`` (base64 ``audio``), ``speech.audio.done`` and
 ``speech.audio.error``; for ``wav`` the 44-byte header (data size 0xFFFFFFFF)
 is its own first chunk; ``stream_format: audio`` sends the raw bytes.
 
-What each request does is read from its ``input`` text, ``key=value`` words:
+What each request does is read from ``key=value`` words of its ``input`` text
+or of its ``ref_text`` (the prompt transcript, so that a meta.lst can keep the
+target text clean):
 ``first`` (s before the first samples), ``header`` (s before the WAV header),
 ``audio`` (s of audio), ``chunks``, ``gap`` (s between chunks), and ``mode``:
 ``ok``, ``error`` (error event after partial audio), ``cut`` (connection closed
 inside a chunk), ``nodone`` (clean end without ``speech.audio.done``), ``http500``.
+
+The samples "say" the other words of the input: their bytes repeat
+``TXT:<words>\\0``, which ``transcribe`` reads back, so WER can be scored end
+to end; ``heard=some_other_words`` makes the audio say those words instead
+(a misrecognition on demand). ``embed`` is a stand-in speaker embedder.
 """
 
 from __future__ import annotations
@@ -29,13 +36,43 @@ def wav_header(rate: int, channels: int = 1, bits: int = 16) -> bytes:
                        rate * channels * bits // 8, channels * bits // 8, bits, b"data", 0xFFFFFFFF)
 
 
-def parse_spec(text: str) -> dict:
-    spec = {"first": 0.0, "header": 0.0, "audio": 1.0, "chunks": 4, "gap": 0.0, "mode": "ok"}
-    for word in text.split():
+def parse_spec(text: str, prompt: str = "") -> dict:
+    """Keys from the prompt transcript, then from the input (which wins); words from the input only."""
+    spec = {"first": 0.0, "header": 0.0, "audio": 1.0, "chunks": 4, "gap": 0.0, "mode": "ok", "heard": None}
+    words = []
+    for source, word in [("prompt", w) for w in prompt.split()] + [("input", w) for w in text.split()]:
         key, sep, value = word.partition("=")
         if sep and key in spec:
-            spec[key] = value if key == "mode" else (int(value) if key == "chunks" else float(value))
+            spec[key] = (value.replace("_", " ") if key == "heard" else value if key == "mode"
+                         else int(value) if key == "chunks" else float(value))
+        elif source == "input":
+            words.append(word)
+    spec["words"] = " ".join(words) if spec["heard"] is None else spec["heard"]
     return spec
+
+
+def spoken_bytes(words: str, size: int) -> bytes:
+    """``size`` sample bytes that carry ``words`` (repeated, cut to the size)."""
+    unit = b"TXT:" + words.encode() + b"\0"
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def transcribe(audio) -> str:
+    """The words the samples carry (mono float32, as the bench hands a transcriber at 16 kHz)."""
+    import numpy as np
+
+    raw = np.round(np.asarray(audio, dtype=np.float64) * 32768.0).astype("<i2").tobytes()
+    start = raw.find(b"TXT:")
+    end = raw.find(b"\0", start + 4)
+    return raw[start + 4:end].decode() if start >= 0 and end > 0 else ""
+
+
+def embed(audio):
+    """A stand-in speaker embedding: level, mean and peak of the clip."""
+    import numpy as np
+
+    a = np.asarray(audio, dtype=np.float64)
+    return np.array([1.0, a.mean(), np.abs(a).max()])
 
 
 class SpeechServer:
@@ -69,7 +106,7 @@ class SpeechServer:
                 self.wfile.flush()
 
             def _speak(self, body):
-                spec = parse_spec(body["input"])
+                spec = parse_spec(body["input"], body.get("ref_text") or "")
                 if spec["mode"] == "http500":
                     msg = b'{"error": "boom"}'
                     self.send_response(500)
@@ -95,12 +132,14 @@ class SpeechServer:
 
                 t0 = time.perf_counter()
                 total = int(round(spec["audio"] * rate)) * 2
+                samples = spoken_bytes(spec["words"], total)
                 pieces = [total // spec["chunks"]] * spec["chunks"]
                 pieces[-1] += total - sum(pieces)
                 if fmt == "wav":
                     time.sleep(max(0.0, spec["header"] - (time.perf_counter() - t0)))
                     emit(wav_header(rate))
                 time.sleep(max(0.0, spec["first"] - (time.perf_counter() - t0)))
+                at = 0
                 for i, n in enumerate(pieces):
                     if i:
                         time.sleep(spec["gap"])
@@ -109,7 +148,8 @@ class SpeechServer:
                         self.wfile.flush()
                         self.close_connection = True
                         return
-                    emit(b"\x01\x02" * (n // 2))
+                    emit(samples[at:at + n])
+                    at += n
                     if spec["mode"] == "error" and i == 0:
                         err = {"type": "speech.audio.error", "error": {
                             "message": "injected failure", "type": "server_error", "param": None, "code": 500,

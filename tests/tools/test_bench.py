@@ -2,15 +2,20 @@
 
 The server injects the time to first audio, the audio length and the gaps; the
 checks compare what the client measured with what was injected (lower bounds
-from the injected sleeps, audio seconds exact from byte counts).
+from the injected sleeps, audio seconds exact from byte counts). Its samples
+carry the words they "say", so WER is scored end to end through a plug-in
+transcriber; the WER arithmetic itself is checked against jiwer's own numbers.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib.util
+import io
 import json
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -18,34 +23,43 @@ from pathlib import Path
 
 import pytest
 
+from drama3_patches.tools.bench import audio as ba
+from drama3_patches.tools.bench import plot, progress, sim, wer
 from drama3_patches.tools.bench import speech as sb
-from support.speech_server import NATIVE_RATE, SpeechServer, wav_header
+from support.speech_server import NATIVE_RATE, SpeechServer, embed, spoken_bytes, transcribe, wav_header
 
 REPO = Path(__file__).resolve().parents[2]
 GAP, CHUNKS = 0.15, 4  # the stream goes on for 3 x GAP after the first samples
+HEADER = "| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | SIM | completed | failed |"
 
 
 def _env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep)
     return env
 
 
-def write_meta(d: Path, specs: list[str]) -> Path:
+def ref_wav(i: int) -> bytes:
+    """A two-sample 16 kHz reference whose samples are both i/32768."""
+    return wav_header(16000)[:-4] + struct.pack("<I", 4) + bytes([i, 0, i, 0])
+
+
+def write_meta(d: Path, specs: list[str], prompts: list[str] | None = None) -> Path:
     (d / "wavs").mkdir(parents=True, exist_ok=True)
     lines = []
     for i, spec in enumerate(specs):
-        ref = d / "wavs" / f"ref{i}.wav"
-        ref.write_bytes(wav_header(16000)[:-4] + struct.pack("<I", 4) + bytes([i, 0, i, 0]))
-        lines.append(f"utt{i}|prompt text {i}|wavs/ref{i}.wav|{spec}")
+        (d / "wavs" / f"ref{i}.wav").write_bytes(ref_wav(i))
+        prompt = prompts[i] if prompts else f"prompt text {i}"
+        lines.append(f"utt{i}|{prompt}|wavs/ref{i}.wav|{spec}")
     meta = d / "meta.lst"
     meta.write_text("\n".join(lines) + "\n")
     return meta
 
 
-def bench(server, meta, *args):
+def bench(server, meta, *args, timeout=300):
     return subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", "--url", server.url, "--meta",
-                           str(meta), *args], capture_output=True, text=True, env=_env(), timeout=300)
+                           str(meta), *args], capture_output=True, text=True, env=_env(), timeout=timeout)
 
 
 FIRSTS = [0.10, 0.15, 0.20, 0.25, 0.30, 0.35]
@@ -66,7 +80,7 @@ def test_measured_figures_match_what_was_injected(tmp_path):
     # Seed-42 shuffle, the same lines at both levels, one warm-up request before each.
     order = [f"utt{i}" for i in range(6)]
     random.Random(42).shuffle(order)
-    assert doc["lines"] == order
+    assert doc["lines"] == order and doc["num_prompts"] == 6
     inputs = {f"utt{i}": s for i, s in enumerate(specs)}
     per_level = [seen[1:7], seen[8:14]]
     assert seen[0]["input"] == seen[7]["input"] == inputs[order[0]]  # warm-ups
@@ -84,36 +98,73 @@ def test_measured_figures_match_what_was_injected(tmp_path):
                                                                                   "/v1/audio/speech")
 
     for level in doc["levels"]:
-        assert (level["completed"], level["failed"]) == (6, 0)
+        assert (level["completed"], level["failed"], level["num_prompts"]) == (6, 0, 6)
         reqs = {x["utt"]: x for x in level["requests"]}
         for n in range(6):
             x = reqs[f"utt{n}"]
-            assert x["audio_s"] == pytest.approx(AUDIOS[n], abs=1e-12)  # exact from the byte count
+            assert x["success"] and x["error"] == ""
+            assert x["audio_seconds"] == pytest.approx(AUDIOS[n], abs=1e-12)  # exact from the byte count
             assert x["sample_rate"] == NATIVE_RATE  # read from the WAV header
             # First samples come at `first`; the header alone (at 0.02 s) does not count,
             # and the stream goes on for 3 gaps more, which TTFA must not include.
-            assert FIRSTS[n] <= x["ttfa"] < FIRSTS[n] + 3 * GAP
-            assert x["elapsed"] >= FIRSTS[n] + 3 * GAP
-            assert x["rtf"] == pytest.approx(x["elapsed"] / AUDIOS[n])
-        ttfas = [x["ttfa"] for x in level["requests"]]
-        assert level["ttfa_p50"] == pytest.approx(sb.percentile(ttfas, 50))
-        assert level["ttfa_p99"] == pytest.approx(sb.percentile(ttfas, 99))
-        assert sorted(ttfas)[2] <= level["ttfa_p50"] <= sorted(ttfas)[3]
+            assert FIRSTS[n] <= x["ttft"] < FIRSTS[n] + 3 * GAP
+            assert x["latency"] >= FIRSTS[n] + 3 * GAP
+            assert x["rtf"] == pytest.approx(x["latency"] / AUDIOS[n])
+        ttfts = [x["ttft"] for x in level["requests"]]
+        assert level["ttfts"] == ttfts and level["latencies"] == [x["latency"] for x in level["requests"]]
+        assert level["median_ttft_ms"] == pytest.approx(sb.percentile(ttfts, 50) * 1e3)
+        assert level["p99_ttft_ms"] == pytest.approx(sb.percentile(ttfts, 99) * 1e3)
+        assert sorted(ttfts)[2] * 1e3 <= level["median_ttft_ms"] <= sorted(ttfts)[3] * 1e3
         assert level["audio_seconds"] == pytest.approx(sum(AUDIOS))
-        assert level["audio_s_per_s"] == pytest.approx(sum(AUDIOS) / level["wall_s"])
-        assert level["rtf_mean"] == pytest.approx(sum(x["rtf"] for x in level["requests"]) / 6)
+        assert level["audio_throughput"] == pytest.approx(sum(AUDIOS) / level["duration"])
+        assert level["request_throughput"] == pytest.approx(6 / level["duration"])
+        assert level["mean_rtf"] == pytest.approx(sum(x["rtf"] for x in level["requests"]) / 6)
         assert level["wer"] is None and level["wer_note"] == "no --whisper model path given"
+        assert level["sim"] is None and level["sim_note"] == "no --sim-model or --sim-embedder given"
     c1, c3 = doc["levels"]
-    assert c1["wall_s"] >= sum(f + 3 * GAP for f in FIRSTS)  # one at a time
-    assert c3["wall_s"] < c1["wall_s"]
+    assert (c1["max_concurrency"], c3["max_concurrency"]) == (1, 3)
+    assert c1["duration"] >= sum(f + 3 * GAP for f in FIRSTS)  # one at a time
+    assert c3["duration"] < c1["duration"]
 
-    # The table: the port's published columns plus completed/failed, and progress on stderr.
+    # The table: the port's published columns plus SIM, completed/failed.
     lines = r.stdout.splitlines()
-    assert lines[0] == "| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | completed | failed |"
-    assert lines[2].startswith(f"| 1 | {sb.sig3(c1['audio_s_per_s'])} | {sb.sig3(c1['ttfa_p50'])} s | ")
-    assert lines[3].endswith("| - | 6 | 0 |")
+    assert lines[0] == HEADER
+    assert lines[2].startswith(f"| 1 | {sb.sig3(c1['audio_throughput'])} | {sb.sig3(c1['median_ttft_ms'] / 1e3)} s | ")
+    assert lines[3].endswith("| - | - | 6 | 0 |")
     assert "WER: - (no --whisper model path given)" in r.stdout
-    assert "concurrency 3: 6/6 done, 0 failed" in r.stderr
+    assert "SIM: - (no --sim-model or --sim-embedder given)" in r.stdout
+    # Progress on stderr, plain lines (not a terminal): done, completed, failed, elapsed.
+    final = [ln for ln in r.stderr.splitlines() if ln.startswith("concurrency 3: 6/6 done")]
+    assert len(final) == 1 and re.fullmatch(r"concurrency 3: 6/6 done, 6 completed, 0 failed, \d+\.\d s elapsed",
+                                            final[0]), r.stderr
+    assert "\r" not in r.stderr
+
+
+def test_json_uses_vllm_bench_serve_key_names_and_statistics(tmp_path):
+    """Every vLLM-named key is one that vLLM's serve benchmark writes, with its statistics (numpy's, in ms)."""
+    np = pytest.importorskip("numpy")
+    spec = importlib.util.find_spec("vllm.benchmarks.serve") if importlib.util.find_spec("vllm") else None
+    if spec is None:
+        pytest.skip("vllm is not installed")
+    source = Path(spec.origin).read_text()
+    meta = write_meta(tmp_path, [f"first={f} audio=0.3" for f in (0.05, 0.1, 0.2, 0.12)])
+    with SpeechServer() as server:
+        level = sb.run_level(sb.read_meta(str(meta)), 2, sb.Settings(url=server.url)).result()
+    vllm_keys = ["duration", "completed", "failed", "request_throughput", "max_concurrency", "ttfts", "latencies",
+                 "start_times", "errors"]
+    for key in vllm_keys:
+        assert f'"{key}"' in source, key
+    # vLLM builds the latency keys as mean_/median_/std_<metric>_ms and p<percentile>_<metric>_ms.
+    assert 'f"mean_{metric_attribute_name}_ms"' in source and 'f"p{p_word}_{metric_attribute_name}_ms"' in source
+    assert '"ttft"' in source and '"e2el"' in source
+    for metric, values in (("ttft", level["ttfts"]), ("e2el", level["latencies"])):
+        v = np.array(values)
+        assert level[f"mean_{metric}_ms"] == pytest.approx(v.mean() * 1000)
+        assert level[f"median_{metric}_ms"] == pytest.approx(np.median(v) * 1000)
+        assert level[f"std_{metric}_ms"] == pytest.approx(v.std() * 1000)
+        for p in (50, 99):
+            assert level[f"p{p}_{metric}_ms"] == pytest.approx(np.percentile(v, p) * 1000)
+    assert level["request_throughput"] == pytest.approx(level["completed"] / level["duration"])
 
 
 def test_failed_and_truncated_streams_are_counted_not_dropped(tmp_path):
@@ -131,11 +182,13 @@ def test_failed_and_truncated_streams_are_counted_not_dropped(tmp_path):
     assert errors["utt2"].startswith("truncated stream")
     assert errors["utt3"] == "truncated stream: ended without speech.audio.done"
     assert errors["utt4"].startswith("HTTP 500")
+    assert sorted(e for e in level["errors"] if e) == sorted(errors.values())
     # Partial audio of failed requests is discarded.
     assert level["audio_seconds"] == pytest.approx(1.0)
     for utt in errors:
         assert f"failed: {utt}: " in r.stderr
     assert "| 2 | " in r.stdout and r.stdout.splitlines()[2].endswith("| 1 | 4 |")
+    assert re.search(r"concurrency 2: 5/5 done, 1 completed, 4 failed, \d+\.\d s elapsed", r.stderr), r.stderr
 
 
 def test_raw_audio_stream_and_pcm_with_requested_rate(tmp_path):
@@ -147,29 +200,42 @@ def test_raw_audio_stream_and_pcm_with_requested_rate(tmp_path):
         assert r.returncode == 0, r.stderr
         level = json.loads(out.read_text())["levels"][0]
         assert level["audio_seconds"] == pytest.approx(2.0)
-        ttfa = {x["utt"]: x["ttfa"] for x in level["requests"]}
-        assert ttfa["utt0"] >= 0.05
+        ttft = {x["utt"]: x["ttft"] for x in level["requests"]}
+        assert ttft["utt0"] >= 0.05
         out = tmp_path / "pcm.json"
         r = bench(server, meta, "--concurrency", "2", "--limit", "2", "--warmup", "0", "--response-format", "pcm",
                   "--sample-rate", "24000", "--json", str(out))
         assert r.returncode == 0, r.stderr
         assert server.requests[-1]["sample_rate"] == 24000 and server.requests[-1]["response_format"] == "pcm"
     level = json.loads(out.read_text())["levels"][0]
-    assert {x["utt"]: x["audio_s"] for x in level["requests"]} == {"utt0": pytest.approx(1.5),
-                                                                    "utt1": pytest.approx(0.5)}
+    assert {x["utt"]: x["audio_seconds"] for x in level["requests"]} == {"utt0": pytest.approx(1.5),
+                                                                         "utt1": pytest.approx(0.5)}
     assert {x["sample_rate"] for x in level["requests"]} == {24000}
 
 
-def test_wer_column_says_why_it_is_empty(tmp_path):
+def test_wer_and_sim_columns_say_why_they_are_empty(tmp_path):
     meta = write_meta(tmp_path, ["audio=0.2"])
     with SpeechServer() as server:
         r = bench(server, meta, "--concurrency", "1", "--limit", "1", "--warmup", "0", "--whisper",
-                  str(tmp_path / "no-such-model"))
-    assert r.returncode == 0, r.stderr
-    assert f"WER: - ({tmp_path / 'no-such-model'} does not exist (models are never downloaded))" in r.stdout
+                  str(tmp_path / "no-such-model"), "--sim-model", str(tmp_path / "no-sim"))
+        assert r.returncode == 0, r.stderr
+        assert f"WER: - ({tmp_path / 'no-such-model'} does not exist (models are never downloaded))" in r.stdout
+        assert f"SIM: - ({tmp_path / 'no-sim'} does not exist (models are never downloaded))" in r.stdout
+        # A folder that exists but holds no model: the run goes on and says why.
+        (tmp_path / "empty").mkdir()
+        r = bench(server, meta, "--concurrency", "1", "--limit", "1", "--warmup", "0", "--whisper",
+                  str(tmp_path / "empty"))
+        assert r.returncode == 0, r.stderr
+        assert (f"WER: - (cannot load {tmp_path / 'empty'}: ValueError: {tmp_path / 'empty'}: not a transformers "
+                "model folder (no config.json))") in r.stdout
+        r = bench(server, meta, "--concurrency", "1", "--limit", "1", "--warmup", "0", "--transcriber",
+                  "support.speech_server:no_such_function")
+        assert "WER: - (cannot load support.speech_server:no_such_function: ValueError: " in r.stdout
+        assert "has no no_such_function" in r.stdout
 
 
-@pytest.mark.parametrize("case", ["no_meta", "bad_line", "pcm_no_rate", "bad_levels", "no_ref", "bad_url"])
+@pytest.mark.parametrize("case", ["no_meta", "bad_line", "pcm_no_rate", "bad_levels", "no_ref", "bad_url",
+                                  "two_asr", "reference_without_plot", "plot_folder"])
 def test_bad_input_gets_one_clear_line(tmp_path, case):
     meta = write_meta(tmp_path, ["audio=0.2"])
     args = ["--url", "http://127.0.0.1:9", "--meta", str(meta)]
@@ -178,6 +244,9 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         "pcm_no_rate": "--response-format pcm has no header: give --sample-rate",
         "bad_levels": "--concurrency wants comma-separated integers", "no_ref": "cannot read reference audio",
         "bad_url": "--url must start with http:// or https://",
+        "two_asr": "give --whisper or --transcriber, not both",
+        "reference_without_plot": "--reference draws into the plot: give --plot OUT.png too",
+        "plot_folder": "does not exist",
     }[case]
     if case == "no_meta":
         args[3] = str(tmp_path / "missing.lst")
@@ -189,6 +258,12 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         args += ["--concurrency", "1,x"]
     elif case == "no_ref":
         (tmp_path / "wavs" / "ref0.wav").unlink()
+    elif case == "two_asr":
+        args += ["--whisper", str(tmp_path), "--transcriber", "a:b"]
+    elif case == "reference_without_plot":
+        args += ["--reference", "port"]
+    elif case == "plot_folder":
+        args += ["--plot", str(tmp_path / "no" / "such" / "out.png")]
     else:
         args[1] = "127.0.0.1:9"
     r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", *args], capture_output=True, text=True,
@@ -208,9 +283,7 @@ def test_percentile_matches_numpy_linear():
     assert sb.percentile([], 50) is None
 
 
-def test_word_errors_and_wav_header_parsing():
-    assert sb.word_errors("Hello, world! It's me.", "hello world its me") == (1, 4)
-    assert sb.word_errors("a b c", "a x c d") == (2, 3)
+def test_wav_header_parsing():
     head = wav_header(44100, channels=2)
     assert sb.parse_wav_header(head[:30]) is None  # incomplete: wait for more bytes
     assert sb.parse_wav_header(head) == (44100, 2, 16, 44)
@@ -224,24 +297,325 @@ def test_word_errors_and_wav_header_parsing():
     assert (c.first_audio, c.sample_bytes, c.seconds) == (2.0, 12, 12 / (44100 * 2 * 2))
 
 
-def test_wer_scoring_sees_each_completed_stream_audio(tmp_path):
-    """The transcriber gets exactly the sample bytes of each completed stream (failed ones are not scored)."""
-    meta = write_meta(tmp_path, ["audio=0.5 chunks=2 the cat sat", "audio=0.25 mode=error a dog", "audio=1.0 hello"])
-    lines = sb.read_meta(str(meta))
-    seen = []
+# ---------------------------------------------------------------- WER against jiwer
 
-    def transcribe(pcm, rate, channels):
-        seen.append((len(pcm), rate, channels))
-        return {16000: "the cat sat", 32000: "hello there"}[len(pcm)]
+# (reference, transcript, reference and transcript after each normalizer). Written out by hand:
+# seed-tts-eval drops punctuation but the apostrophe and lower-cases; Whisper's normalizer also
+# spells numbers as digits, expands contractions, drops fillers and americanizes spellings.
+PAIRS = [
+    ("Hello, World! How are you?", "hello world how are you",
+     "hello world how are you", "hello world how are you",
+     "hello world how are you", "hello world how are you"),
+    ("It's twenty five past nine.", "It is 25 past 9", "it's twenty five past nine", "it is 25 past 9",
+     "it is 25 past 9", "it is 25 past 9"),
+    ("I can't go, Mr. Smith.", "I cannot go mister smith", "i can't go mr smith", "i cannot go mister smith",
+     "i can not go mister smith", "i cannot go mister smith"),
+    ("The colour of the sea.", "um the color of sea", "the colour of the sea", "um the color of sea",
+     "the color of the sea", "the color of sea"),
+    # Typographic marks: seed-tts-eval removes the hyphen (joining the words); Whisper's normalizer
+    # keeps periods for decimals, so the ellipsis leaves a ".." word that counts as a deletion.
+    ("Well-known “quotes” — here…", "well known quotes here", "wellknown quotes here",
+     "well known quotes here", "well known quotes here ..", "well known quotes here"),
+]
 
+
+@pytest.mark.parametrize("method", ["seed-tts-eval", "whisper"])
+def test_wer_matches_jiwer_on_known_transcript_pairs(method):
+    jiwer = pytest.importorskip("jiwer")
+    if method == "whisper":
+        pytest.importorskip("whisper_normalizer")
+    col = 2 if method == "seed-tts-eval" else 4
+    refs = [p[col] for p in PAIRS]
+    hyps = [p[col + 1] for p in PAIRS]
+    got = wer.score([(f"u{i}", p[0], p[1]) for i, p in enumerate(PAIRS)], method)
+    assert [u.reference_normalized for u in got.utterances] == refs
+    assert [u.hypothesis_normalized for u in got.utterances] == hyps
+    # jiwer's own numbers from the normalized strings: per utterance, and over the corpus.
+    for u, r, h in zip(got.utterances, refs, hyps):
+        one = jiwer.process_words(r, h)
+        assert (u.hits, u.substitutions, u.deletions, u.insertions) == (one.hits, one.substitutions, one.deletions,
+                                                                        one.insertions)
+        assert u.wer == pytest.approx(jiwer.wer(r, h))
+    assert got.corpus == pytest.approx(jiwer.wer(refs, hyps))
+    assert got.utterance_mean == pytest.approx(sum(jiwer.wer(r, h) for r, h in zip(refs, hyps)) / len(refs))
+    fields = got.fields()
+    assert fields["wer"] == (got.utterance_mean if method == "seed-tts-eval" else got.corpus)
+    corpus = jiwer.process_words(refs, hyps)
+    assert (fields["wer_hits"], fields["wer_substitutions"], fields["wer_deletions"], fields["wer_insertions"]) == (
+        corpus.hits, corpus.substitutions, corpus.deletions, corpus.insertions)
+
+
+def test_wer_by_hand():
+    """Small enough to count: the cat sat on the mat / the cat sit on mat: 1 substitution, 1 deletion."""
+    got = wer.score([("a", "The cat sat on the mat.", "the cat sit on mat"), ("b", "Hello!", "hello there")])
+    a, b = got.utterances
+    assert (a.hits, a.substitutions, a.deletions, a.insertions, a.reference_words) == (4, 1, 1, 0, 6)
+    assert (b.hits, b.substitutions, b.deletions, b.insertions, b.reference_words) == (1, 0, 0, 1, 1)
+    assert got.corpus == pytest.approx(3 / 7)  # (2 + 1) errors over 6 + 1 words
+    assert got.utterance_mean == pytest.approx((2 / 6 + 1 / 1) / 2)
+    assert got.value == got.utterance_mean  # Seed-TTS-Eval averages its utterances
+    # Numbers: spelled out and in digits are two words against one for seed-tts-eval, equal for whisper.
+    assert wer.score([("n", "twenty five", "25")], "seed-tts-eval").value == pytest.approx(1.0)
+    pytest.importorskip("whisper_normalizer")
+    assert wer.score([("n", "twenty five", "25")], "whisper").value == 0.0
+
+
+def test_an_empty_reference_is_skipped_with_its_reason():
+    got = wer.score([("a", "?!", "something"), ("b", "yes", "")])
+    assert got.skipped == [{"utt": "a", "reason": "reference is empty after seed-tts-eval normalization"}]
+    (b,) = got.utterances
+    assert (b.deletions, b.wer) == (1, 1.0)
+    nothing = wer.score([("a", "...", "x")])
+    assert nothing.value is None and nothing.corpus is None and len(nothing.skipped) == 1
+
+
+def test_transcribers_load_from_local_paths_only(tmp_path):
+    assert wer.unavailable("seed-tts-eval", None, None) == "no --whisper model path given"
+    assert wer.unavailable("seed-tts-eval", str(tmp_path / "x"), None) == (
+        f"{tmp_path / 'x'} does not exist (models are never downloaded)")
+    assert wer.unavailable("whisper", None, "m:f") is None
+    with pytest.raises(ValueError, match="does not exist"):
+        wer.load_transcriber(str(tmp_path / "x"))
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        wer.load_transcriber(str(tmp_path))
+    with pytest.raises(ValueError, match="openai-whisper loads a .pt checkpoint file, not a folder"):
+        wer.load_transcriber(str(tmp_path), backend="openai-whisper")
+    ckpt = tmp_path / "large-v3.pt"
+    ckpt.write_bytes(b"")
+    if importlib.util.find_spec("whisper") is None:
+        with pytest.raises(ValueError, match=r"openai-whisper is not installed \(pip install openai-whisper\)"):
+            wer.load_transcriber(str(ckpt))
+    fn, what = wer.load_transcriber(transcriber="support.speech_server:transcribe")
+    assert fn is transcribe and what == "support.speech_server:transcribe (plug-in)"
+    for spec, msg in (("nocolon", "expected MODULE:FUNCTION"), ("no_such_mod_xyz:f", "cannot import no_such_mod_xyz"),
+                      ("support.speech_server:NATIVE_RATE", "is not callable")):
+        with pytest.raises(ValueError, match=msg):
+            ba.import_callable(spec)
+
+
+def test_wer_and_sim_end_to_end_through_plug_ins(tmp_path):
+    """The server's audio says the words (or the `heard=` misrecognition); the bench scores what came back."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("jiwer")
+    texts = ["The cat sat.", "Hello, world!", "It's twenty five past.", "A failed one."]
+    prompts = ["audio=0.5 chunks=2", "audio=0.75", "audio=1.0 heard=its_twenty_five_pass", "audio=0.3 mode=error"]
+    meta = write_meta(tmp_path, texts, prompts)
+    out = tmp_path / "out.json"
     with SpeechServer() as server:
-        s = sb.Settings(url=server.url, keep_audio=True)
-        level = sb.run_level(lines, 2, s)
-    sb.score_level(level, {"utt0": "the cat sat", "utt1": "a dog", "utt2": "hello"}, transcribe)
-    assert sorted(seen) == [(16000, NATIVE_RATE, 1), (32000, NATIVE_RATE, 1)]
-    # refs: "the cat sat" (3 words, 0 errors) and "hello" (1 word, 1 insertion)
-    assert level.wer == pytest.approx(1 / 4)
-    assert level.summary()["wer"] == pytest.approx(0.25)
+        r = bench(server, meta, "--concurrency", "2", "--limit", "4", "--warmup", "0", "--json", str(out),
+                  "--transcriber", "support.speech_server:transcribe", "--sim-embedder", "support.speech_server:embed")
+    assert r.returncode == 1, r.stderr  # the failed stream
+    (level,) = json.loads(out.read_text())["levels"]
+    said = {u["utt"]: u["hypothesis"] for u in level["wer_utterances"]}
+    assert said == {"utt0": "The cat sat.", "utt1": "Hello, world!", "utt2": "its twenty five pass"}  # not utt3
+    expected = wer.score([(u, texts[int(u[3:])], h) for u, h in said.items()])
+    assert level["wer"] == pytest.approx(expected.value) and level["wer"] == pytest.approx((0 + 0 + 2 / 4) / 3)
+    assert level["wer_method"] == "seed-tts-eval" and level["wer_corpus"] == pytest.approx(2 / 9)
+    # SIM: cosine between the embedding of each stream's samples and of its prompt wav.
+    seconds = {"utt0": 0.5, "utt1": 0.75, "utt2": 1.0}
+    words = {"utt0": "The cat sat.", "utt1": "Hello, world!", "utt2": "its twenty five pass"}
+    sims = {u["utt"]: u["sim"] for u in level["sim_utterances"]}
+    assert set(sims) == set(seconds)
+    for utt, secs in seconds.items():
+        samples = spoken_bytes(words[utt], int(round(secs * NATIVE_RATE)) * 2)
+        gen = np.frombuffer(samples, dtype="<i2") / 32768.0
+        i = int(utt[3:])
+        prompt = np.array([i, i]) / 32768.0
+        a, b = embed(gen), embed(prompt)
+        assert sims[utt] == pytest.approx(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)))
+    assert level["sim"] == pytest.approx(sum(sims.values()) / 3)
+    row = r.stdout.splitlines()[2]
+    assert row.endswith(f"| {level['wer'] * 100:.2f}% | {level['sim']:.3f} | 3 | 1 |"), r.stdout
+    assert re.search(r"concurrency 2 scoring: 3/3 done, 3 completed, 0 failed", r.stderr), r.stderr
+
+
+def test_whisper_method_from_the_command_line(tmp_path):
+    pytest.importorskip("whisper_normalizer")
+    meta = write_meta(tmp_path, ["It's twenty five past."], ["audio=0.5 heard=it_is_25_past"])
+    out = tmp_path / "out.json"
+    with SpeechServer() as server:
+        r = bench(server, meta, "--concurrency", "1", "--limit", "1", "--warmup", "0", "--json", str(out),
+                  "--transcriber", "support.speech_server:transcribe", "--wer-method", "whisper")
+    assert r.returncode == 0, r.stderr
+    (level,) = json.loads(out.read_text())["levels"]
+    (u,) = level["wer_utterances"]
+    assert (u["reference_normalized"], u["hypothesis_normalized"], level["wer"]) == ("it is 25 past", "it is 25 past",
+                                                                                    0.0)
+
+
+def test_sim_through_a_local_transformers_wavlm_xvector(tmp_path):
+    """The transformers path end to end on a tiny random WavLMForXVector saved to disk (no hub)."""
+    torch = pytest.importorskip("torch")
+    np = pytest.importorskip("numpy")
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.WavLMConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+                         num_conv_pos_embedding_groups=2, tdnn_dim=(16, 16, 16, 16, 48), tdnn_kernel=(5, 3, 3, 1, 1),
+                         tdnn_dilation=(1, 2, 3, 1, 1), xvector_output_dim=8, num_buckets=32, max_bucket_distance=64)
+    model = tf.WavLMForXVector(cfg).eval()
+    model.save_pretrained(tmp_path / "sv")
+    fe = tf.Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
+                                     return_attention_mask=True)
+    fe.save_pretrained(tmp_path / "sv")
+    embed_fn, what = sim.load_embedder(str(tmp_path / "sv"))
+    assert "not comparable" in what
+    t = np.arange(16000) / 16000
+    a, b = np.sin(2 * np.pi * 220 * t).astype(np.float32), np.sign(np.sin(2 * np.pi * 97 * t)).astype(np.float32)
+    with torch.no_grad():
+        want = [model(**fe(x, sampling_rate=16000, return_tensors="pt")).embeddings[0].numpy() for x in (a, b)]
+    (tmp_path / "p.wav").write_bytes(wav_header(16000)[:-4] + struct.pack("<I", 32000)
+                                     + (np.round(b * 32767)).astype("<i2").tobytes())
+    got = sim.Scorer(embed_fn).score([("u", a, str(tmp_path / "p.wav"))])
+    (u,) = got.utterances
+    # The prompt went through the wav file: 16-bit rounding moves the embedding a little.
+    assert u["sim"] == pytest.approx(sim.cosine(*want), abs=1e-4)
+    assert abs(u["sim"]) < 0.999  # two different clips
+
+
+# ---------------------------------------------------------------- audio plumbing
+
+
+def test_resample_and_pcm_conversion():
+    np = pytest.importorskip("numpy")
+    rate, new = 24000, 16000
+    t = np.arange(rate) / rate
+    tone = np.sin(2 * np.pi * 440 * t)
+    out = ba.resample(tone, rate, new)
+    assert len(out) == new
+    want = np.sin(2 * np.pi * 440 * np.arange(new) / new)
+    assert np.max(np.abs(out - want)) < 1e-3  # a whole number of periods: FFT resampling is exact
+    assert ba.resample(tone[:100], rate, rate).tolist() == pytest.approx(tone[:100].tolist(), abs=1e-7)
+    stereo = struct.pack("<4h", 32767 // 2 * 2, 0, -32768, -32768)
+    assert ba.pcm16_to_float(stereo, channels=2).tolist() == pytest.approx([(32766 / 32768) / 2, -1.0])
+
+
+def test_read_wav_gives_mono_float_and_rate(tmp_path):
+    (tmp_path / "r.wav").write_bytes(ref_wav(7))
+    audio, rate = ba.read_wav(str(tmp_path / "r.wav"))
+    assert rate == 16000 and audio.tolist() == [7 / 32768, 7 / 32768]
+    (tmp_path / "bad.wav").write_bytes(b"not a wav at all")
+    if importlib.util.find_spec("soundfile") is None:
+        with pytest.raises(ValueError, match="install soundfile"):
+            ba.read_wav(str(tmp_path / "bad.wav"))
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_uses_tqdm_on_a_terminal_and_plain_lines_elsewhere():
+    assert progress.use_tqdm(io.StringIO()) is False
+    has_tqdm = importlib.util.find_spec("tqdm") is not None
+    assert progress.use_tqdm(Terminal()) is has_tqdm
+    if not has_tqdm:
+        pytest.skip("tqdm is not installed")
+    term = Terminal()
+    p = progress.make(term, 3, "concurrency 2")
+    assert p.bar is not None
+    p.start()
+    for ok in (True, False, True):
+        p.tick(ok)
+    text = term.getvalue()
+    assert "\r" in text and "concurrency 2" in text and "3/3" in text and "completed=2" in text \
+        and "failed=1" in text, text
+    plain = io.StringIO()
+    ticks = iter([0.0, 0.0, 0.5, 1.0, 12.0, 12.5])
+    p = progress.Progress(plain, 16, "c", clock=lambda: next(ticks))
+    p.start()
+    p.tick(True)  # 1/16 at 0.5 s: not a line (every 2nd of 16, or 10 s)
+    p.tick(False)  # 2/16 at 1.0 s: a line
+    p.tick(True)  # 3/16 at 12 s: a line, 11 s since the last
+    assert plain.getvalue().splitlines() == ["c: 2/16 done, 1 completed, 1 failed, 1.0 s elapsed",
+                                             "c: 3/16 done, 2 completed, 1 failed, 12.0 s elapsed"]
+
+
+def test_quiet_silences_progress(tmp_path):
+    meta = write_meta(tmp_path, ["audio=0.2", "audio=0.2 mode=http500"])
+    with SpeechServer() as server:
+        r = bench(server, meta, "--concurrency", "1,2", "--limit", "2", "--warmup", "0", "--quiet")
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[0] == HEADER
+    # Only the failures (results, not progress) remain on stderr.
+    assert r.stderr.splitlines() == ["  failed: utt1: HTTP 500: {\"error\": \"boom\"}"] * 2, r.stderr
+
+
+# ---------------------------------------------------------------- plot
+
+
+def _published_table() -> list[dict]:
+    """The port's table as docs/recipe.md prints it."""
+    text = (REPO / "docs" / "recipe.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+) \| ([\d.]+)% \|$", text, re.M)
+    assert rows, "no port table in docs/recipe.md"
+    return [{"max_concurrency": int(c), "audio_throughput": float(a), "median_ttft_ms": float(p50) * 1000,
+             "p99_ttft_ms": float(p99) * 1000, "mean_rtf": float(rtf), "wer": float(w) / 100}
+            for c, a, p50, p99, rtf, w in rows]
+
+
+def test_port_reference_is_the_published_table():
+    assert plot.PORT_REFERENCE["levels"] == [pytest.approx(row) for row in _published_table()]
+
+
+def _levels():
+    return [{"max_concurrency": 1, "audio_throughput": 0.5, "median_ttft_ms": 1000.0, "p99_ttft_ms": 1500.0},
+            {"max_concurrency": 4, "audio_throughput": 1.8, "median_ttft_ms": 1200.0, "p99_ttft_ms": 2500.0},
+            {"max_concurrency": 8, "audio_throughput": None, "median_ttft_ms": None, "p99_ttft_ms": None}]
+
+
+def test_plot_figure_has_the_run_and_reference_series():
+    pytest.importorskip("matplotlib")
+    fig = plot.build_figure(_levels(), plot.PORT_REFERENCE, "t")
+    thr, lat = fig.axes
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ax in (thr, lat)
+             for ln in ax.get_lines()}
+    ref = plot.PORT_REFERENCE["label"]
+    cs = [1, 16, 32, 64]
+    assert lines == {
+        "this run: audio s/s": ([1, 4], [0.5, 1.8]),  # the all-failed level has no point
+        "this run: TTFA p50": ([1, 4], [1.0, 1.2]),
+        "this run: TTFA p99": ([1, 4], [1.5, 2.5]),
+        f"{ref}: audio s/s": (cs, [0.569, 3.19, 4.68, 7.20]),
+        f"{ref}: TTFA p50": (cs, pytest.approx([1.26, 4.14, 5.77, 14.0])),
+        f"{ref}: TTFA p99": (cs, pytest.approx([1.47, 26.5, 7.83, 14.7])),
+    }
+    assert [ln.get_label() for ln in thr.get_legend().get_lines()] == ["this run: audio s/s", f"{ref}: audio s/s"]
+    assert [int(t) for t in lat.get_xticks()] == [1, 4, 8, 16, 32, 64]
+    assert lat.get_yscale() == "log"  # 1 s beside 26.5 s
+    # A reference that does not publish a figure is not drawn for it, and the title says so.
+    partial = {"label": "partial", "levels": [{"max_concurrency": 2, "audio_throughput": 1.0}]}
+    fig = plot.build_figure(_levels(), partial)
+    labels = [ln.get_label() for ax in fig.axes for ln in ax.get_lines()]
+    assert "partial: audio s/s" in labels and not any(x.startswith("partial: TTFA") for x in labels)
+    assert "partial: no TTFA p50; partial: no TTFA p99" in fig.get_suptitle()
+    assert plot.build_figure(_levels()).axes[1].get_yscale() == "linear"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "b.png"
+    plot.write_png(str(out), _levels(), plot.PORT_REFERENCE, "t")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1100, 460)
+    assert data[-8:-4] == b"IEND"
+
+
+def test_bench_plot_from_the_command_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    meta = write_meta(tmp_path, ["audio=0.3 first=0.05", "audio=0.4 first=0.1"])
+    out = tmp_path / "b.png"
+    with SpeechServer() as server:
+        r = bench(server, meta, "--concurrency", "1,2", "--limit", "2", "--warmup", "0", "--plot", str(out),
+                  "--reference", "port", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert r.stderr == ""
 
 
 def test_unreachable_server_counts_every_request_as_failed(tmp_path):
@@ -259,5 +633,6 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
     (level,) = json.loads(out.read_text())["levels"]
     assert (level["completed"], level["failed"]) == (0, 2)
     assert all(f["error"].startswith("ConnectionRefusedError") for f in level["failures"])
-    assert level["audio_s_per_s"] == 0 and level["ttfa_p50"] is None
-    assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | 0 | 2 |"
+    assert level["audio_throughput"] == 0 and level["median_ttft_ms"] is None and level["mean_ttft_ms"] is None
+    assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | - | 0 | 2 |"
+    assert "no completed stream" not in r.stdout  # no scorer asked for: the reason is the missing model

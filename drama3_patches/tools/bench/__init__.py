@@ -1,9 +1,17 @@
-"""``drama3-patches bench``: Seed-TTS-Eval style streaming load test of /v1/audio/speech."""
+"""``drama3-patches bench``: Seed-TTS-Eval style streaming load test of /v1/audio/speech.
+
+Modules: ``speech`` (the streaming client and per-level figures), ``wer`` and
+``sim`` (Seed-TTS-Eval's scores), ``audio`` (the clips they score),
+``progress`` (stderr), ``plot`` (``--plot``).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
+import time
 
 
 def register(sub) -> None:
@@ -21,28 +29,100 @@ def register(sub) -> None:
     p.add_argument("--ref-audio", choices=("data", "file"), default="data",
                    help="send references inline as base64 (data) or as file:// URIs the server reads (file)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    p.add_argument("--whisper", metavar="PATH", help="local Whisper model for WER (never downloaded)")
-    p.add_argument("--json", metavar="OUT", help="write every figure and every request to OUT")
+    w = p.add_argument_group("WER and SIM (Seed-TTS-Eval; local models only, never downloaded)")
+    w.add_argument("--whisper", metavar="PATH",
+                   help="local Whisper model for WER: a transformers folder or an openai-whisper .pt file")
+    w.add_argument("--asr-backend", choices=("auto", "transformers", "openai-whisper"), default="auto",
+                   help="how to load --whisper (default auto: a file is openai-whisper, a folder transformers)")
+    w.add_argument("--transcriber", metavar="MODULE:FUNCTION",
+                   help="instead of --whisper: a callable taking mono float32 16 kHz audio, returning text")
+    w.add_argument("--wer-method", choices=("seed-tts-eval", "whisper"), default="seed-tts-eval",
+                   help="seed-tts-eval (default): its punctuation stripping, mean of per-utterance WER; "
+                        "whisper: Whisper's English normalizer, corpus WER")
+    w.add_argument("--sim-model", metavar="PATH", help="local transformers WavLMForXVector folder for SIM")
+    w.add_argument("--sim-embedder", metavar="MODULE:FUNCTION",
+                   help="instead of --sim-model: a callable taking mono float32 16 kHz audio, returning an "
+                        "embedding (Seed-TTS-Eval's WavLM-large ECAPA-TDNN plugs in here)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="OUT", help="write every figure and every request to OUT "
+                                                 "(vllm bench serve's key names; TTFT there is TTFA)")
+    o.add_argument("--plot", metavar="OUT.png", help="draw audio s/s and TTFA p50/p99 against concurrency")
+    o.add_argument("--reference", choices=("port",), help="with --plot: add the port's published numbers")
+    o.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=run)
 
 
+def _fail(msg: str) -> int:
+    print(f"drama3-patches bench: {msg}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args) -> str | None:
+    """The usage error, or None."""
+    try:
+        args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        return f"--concurrency wants comma-separated integers, got {args.concurrency!r}"
+    if not args.levels or min(args.levels) < 1 or args.limit < 1 or args.warmup < 0:
+        return "--concurrency levels and --limit must be at least 1, --warmup at least 0"
+    if args.response_format == "pcm" and not args.sample_rate:
+        return "--response-format pcm has no header: give --sample-rate"
+    if not args.url.startswith(("http://", "https://")):
+        return f"--url must start with http:// or https://, got {args.url!r}"
+    if args.whisper and args.transcriber:
+        return "give --whisper or --transcriber, not both"
+    if args.sim_model and args.sim_embedder:
+        return "give --sim-model or --sim-embedder, not both"
+    if args.reference and not args.plot:
+        return "--reference draws into the plot: give --plot OUT.png too"
+    if args.plot:
+        # Checked before the run, which can take hours, rather than after it.
+        if importlib.util.find_spec("matplotlib") is None:
+            return "--plot needs matplotlib (pip install matplotlib)"
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            return f"--plot {args.plot}: folder {folder} does not exist"
+    return None
+
+
+def _scorers(args, log):
+    """(transcribe, wer_note, sim_scorer, sim_note): a scorer, or None and the reason."""
+    from drama3_patches.tools.bench import sim, wer
+
+    transcribe, sim_scorer = None, None
+    wer_note = wer.unavailable(args.wer_method, args.whisper, args.transcriber)
+    if wer_note is None:
+        try:
+            transcribe, what = wer.load_transcriber(args.whisper, args.asr_backend, args.transcriber)
+            log(f"bench: WER ({args.wer_method}) by {what}")
+        except Exception as exc:  # a model that does not load: measure anyway, say why WER is missing
+            wer_note = f"cannot load {args.whisper or args.transcriber}: {type(exc).__name__}: {exc}"
+    sim_note = sim.unavailable(args.sim_model, args.sim_embedder)
+    if sim_note is None:
+        try:
+            embed, what = sim.load_embedder(args.sim_model, args.sim_embedder)
+            sim_scorer = sim.Scorer(embed)
+            log(f"bench: SIM by {what}")
+        except Exception as exc:
+            sim_note = f"cannot load {args.sim_model or args.sim_embedder}: {type(exc).__name__}: {exc}"
+    return transcribe, wer_note, sim_scorer, sim_note
+
+
+def _skip_notes(s: dict) -> list[str]:
+    out = []
+    for key, what in (("wer_skipped", "WER"), ("sim_skipped", "SIM")):
+        for item in s.get(key) or []:
+            out.append(f"  {what} not scored: {item['utt']}: {item['reason']}")
+    return out
+
+
 def run(args) -> int:
+    from drama3_patches.tools.bench import progress
     from drama3_patches.tools.bench import speech as sb
 
-    def fail(msg: str) -> int:
-        print(f"drama3-patches bench: {msg}", file=sys.stderr)
-        return 2
-
-    try:
-        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    except ValueError:
-        return fail(f"--concurrency wants comma-separated integers, got {args.concurrency!r}")
-    if not levels or min(levels) < 1 or args.limit < 1 or args.warmup < 0:
-        return fail("--concurrency levels and --limit must be at least 1, --warmup at least 0")
-    if args.response_format == "pcm" and not args.sample_rate:
-        return fail("--response-format pcm has no header: give --sample-rate")
-    if not args.url.startswith(("http://", "https://")):
-        return fail(f"--url must start with http:// or https://, got {args.url!r}")
+    error = _check_args(args)
+    if error:
+        return _fail(error)
     try:
         lines = sb.pick_lines(sb.read_meta(args.meta), args.seed, args.limit)
         for line in lines:
@@ -50,42 +130,63 @@ def run(args) -> int:
                 with open(line.prompt_wav, "rb"):
                     pass
     except sb.BenchError as exc:
-        return fail(str(exc))
+        return _fail(str(exc))
     except OSError as exc:
-        return fail(f"{exc.filename}: cannot read reference audio: {exc.strerror}")
+        return _fail(f"{exc.filename}: cannot read reference audio: {exc.strerror}")
 
-    wer_note = sb.wer_unavailable(args.whisper)
-    transcribe = None
-    if wer_note is None:
-        try:
-            transcribe = sb.make_transcriber(args.whisper)
-        except Exception as exc:  # a model that does not load: measure anyway, say why WER is missing
-            wer_note = f"cannot load {args.whisper}: {type(exc).__name__}: {exc}"
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    transcribe, wer_note, sim_scorer, sim_note = _scorers(args, log)
+    scoring = transcribe is not None or sim_scorer is not None
     settings = sb.Settings(url=args.url, model=args.model, response_format=args.response_format,
                            stream_format=args.stream_format, sample_rate=args.sample_rate, timeout=args.timeout,
-                           ref_audio=args.ref_audio, keep_audio=transcribe is not None)
-    print(f"bench: {len(lines)} lines (seed {args.seed}) x concurrency {levels}, {args.warmup} warm-up "
-          f"request(s) per level, {args.url}", file=sys.stderr)
-    texts = {line.utt: line.text for line in lines}
-    summaries = []
-    for c in levels:
-        level = sb.run_level(lines, c, settings, warmup=args.warmup, progress=sys.stderr)
-        if transcribe is not None:
-            sb.score_level(level, texts, transcribe)
-        level.wer_note = wer_note or ""
-        s = level.summary()
+                           ref_audio=args.ref_audio, keep_audio=scoring)
+    log(f"bench: {len(lines)} lines (seed {args.seed}) x concurrency {args.levels}, {args.warmup} warm-up "
+        f"request(s) per level, {args.url}")
+    by_utt = {line.utt: line for line in lines}
+    results = []
+    for c in args.levels:
+        level = sb.run_level(lines, c, settings, warmup=args.warmup,
+                             progress=progress.make(sys.stderr, len(lines), f"concurrency {c}", args.quiet))
+        if scoring and level.ok:
+            sb.score_level(level, by_utt, transcribe, sim_scorer, args.wer_method,
+                           progress=progress.make(sys.stderr, len(level.ok), f"concurrency {c} scoring",
+                                                  args.quiet))
+        level.wer_note = wer_note or ("" if level.wer is not None else "no completed stream to transcribe")
+        level.sim_note = sim_note or ("" if level.sim is not None else "no completed stream to compare")
+        for r in level.results:
+            r.audio = b""  # scored: the samples are not kept across levels
+        s = level.result()
         for f in s["failures"]:
             print(f"  failed: {f['utt']}: {f['error']}", file=sys.stderr)
-        summaries.append(s)
+        for note in _skip_notes(s):
+            print(note, file=sys.stderr)
+        results.append(s)
 
-    print(sb.table(summaries, wer_note))
+    print(sb.table(results, wer_note, sim_note))
+    status = 0 if all(s["failed"] == 0 for s in results) else 1
+    if args.plot:
+        from drama3_patches.tools.bench import plot
+
+        title = f"{len(lines)} lines per level, {args.url}"
+        try:
+            plot.write_png(args.plot, results, plot.REFERENCES.get(args.reference), title)
+        except (OSError, ValueError) as exc:
+            print(f"drama3-patches bench: cannot write {args.plot}: {exc}", file=sys.stderr)
+            status = 1
     if args.json:
-        doc = {"url": args.url, "meta": args.meta, "seed": args.seed, "limit": args.limit, "warmup": args.warmup,
-               "lines": [line.utt for line in lines], "levels": summaries, "wer_note": wer_note}
+        doc = {"date": time.strftime("%Y%m%d-%H%M%S"), "model_id": args.model, "num_prompts": len(lines),
+               "url": args.url, "meta": args.meta, "seed": args.seed, "limit": args.limit, "warmup": args.warmup,
+               "percentiles": list(sb.PERCENTILES),
+               "ttft_is": "time to first audio: request sent to the first audio sample bytes (WAV header excluded)",
+               "lines": [line.utt for line in lines], "wer_method": args.wer_method, "wer_note": wer_note,
+               "sim_note": sim_note, "levels": results}
         try:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(doc, fh, indent=2)
         except OSError as exc:
             print(f"drama3-patches bench: cannot write {args.json}: {exc.strerror}", file=sys.stderr)
             return 1
-    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+    return status

@@ -1,6 +1,7 @@
 """Seed-TTS-Eval style load test of vLLM-Omni's ``/v1/audio/speech`` (streaming).
 
-Stdlib only: threads and ``http.client``. Each line of a Seed-TTS-Eval
+The load itself is stdlib only (threads and ``http.client``); scoring the
+audio (``wer``, ``sim``) imports its packages when asked for. Each line of a Seed-TTS-Eval
 ``meta.lst`` (``utt_id|prompt_text|prompt_wav|target_text``, paths relative to
 the list) clones its own reference. Lines are shuffled with the seed and the
 same lines run at every concurrency.
@@ -20,13 +21,12 @@ import http.client
 import json
 import os
 import random
-import re
 import struct
 import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 SPEECH_PATH = "/v1/audio/speech"
 
@@ -138,6 +138,7 @@ class Result:
     start: float = 0.0
     end: float = 0.0
     sample_rate: int | None = None
+    channels: int = 1
     audio: bytes = field(default=b"", repr=False)
 
     @property
@@ -270,13 +271,14 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
         res.ttfa = counter.first_audio - start
         res.audio_s = counter.seconds
         res.sample_rate = counter.rate
+        res.channels = counter.channels
         if s.keep_audio:
             res.audio = b"".join(counter.chunks)
     return res
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
+    """Linear interpolation between closest ranks (numpy's default, which vLLM's benchmark uses)."""
     if not values:
         return None
     v = sorted(values)
@@ -286,146 +288,117 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+PERCENTILES = (50, 99)
+
+
+def latency_fields(metric: str, seconds: list[float]) -> dict:
+    """``vllm bench serve``'s statistics of one latency metric, in milliseconds, under its key names."""
+    if not seconds:
+        out = {f"{s}_{metric}_ms": None for s in ("mean", "median", "std")}
+        return out | {f"p{p}_{metric}_ms": None for p in PERCENTILES}
+    mean = sum(seconds) / len(seconds)
+    std = (sum((x - mean) ** 2 for x in seconds) / len(seconds)) ** 0.5  # population, as numpy.std
+    out = {f"mean_{metric}_ms": mean * 1e3, f"median_{metric}_ms": percentile(seconds, 50) * 1e3,
+           f"std_{metric}_ms": std * 1e3}
+    return out | {f"p{p}_{metric}_ms": percentile(seconds, p) * 1e3 for p in PERCENTILES}
+
+
 @dataclass
 class Level:
     concurrency: int
     results: list[Result]
     wall_s: float
-    wer: float | None = None
+    wer: object = None  # wer.WerScore once scored
     wer_note: str = ""
+    sim: object = None  # sim.SimScore once scored
+    sim_note: str = ""
 
     @property
     def ok(self) -> list[Result]:
         return [r for r in self.results if r.ok]
 
-    def summary(self) -> dict:
+    def result(self) -> dict:
+        """One concurrency level: ``vllm bench serve``'s result keys where a figure has one.
+
+        TTFT here is the time to first audio (TTFA): request sent to the first
+        sample bytes, the WAV header excluded; e2el is the whole streamed request.
+        The speech figures (audio seconds, audio throughput, RTF, WER, SIM) sit beside them.
+        """
         ok = self.ok
         audio = sum(r.audio_s for r in ok)
-        ttfas = [r.ttfa for r in ok]
         rtfs = [r.rtf for r in ok if r.rtf is not None]
-        return {
-            "concurrency": self.concurrency, "completed": len(ok), "failed": len(self.results) - len(ok),
-            "audio_seconds": audio, "wall_s": self.wall_s,
-            "audio_s_per_s": audio / self.wall_s if self.wall_s > 0 else None,
-            "ttfa_p50": percentile(ttfas, 50), "ttfa_p99": percentile(ttfas, 99),
-            "rtf_mean": sum(rtfs) / len(rtfs) if rtfs else None,
-            "wer": self.wer, "wer_note": self.wer_note,
-            "failures": [{"utt": r.utt, "error": r.error} for r in self.results if not r.ok],
-            "requests": [{k: v for k, v in asdict(r).items() if k != "audio"} | {"rtf": r.rtf}
-                         for r in self.results],
+        t0 = min((r.start for r in self.results), default=0.0)
+        out = {
+            "max_concurrency": self.concurrency, "num_prompts": len(self.results), "duration": self.wall_s,
+            "completed": len(ok), "failed": len(self.results) - len(ok),
+            "request_throughput": len(ok) / self.wall_s if self.wall_s > 0 else None,
+            **latency_fields("ttft", [r.ttfa for r in ok]), **latency_fields("e2el", [r.elapsed for r in ok]),
+            "audio_seconds": audio, "audio_throughput": audio / self.wall_s if self.wall_s > 0 else None,
+            "mean_rtf": sum(rtfs) / len(rtfs) if rtfs else None, "median_rtf": percentile(rtfs, 50),
+            "p99_rtf": percentile(rtfs, 99),
         }
-
-
-class Progress:
-    def __init__(self, stream, total: int, label: str):
-        self.stream, self.total, self.label = stream, total, label
-        self.done = self.failed = 0
-        self.lock = threading.Lock()
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
-
-    def tick(self, ok: bool) -> None:
-        with self.lock:
-            self.done += 1
-            self.failed += 0 if ok else 1
-            text = f"{self.label}: {self.done}/{self.total} done, {self.failed} failed"
-            if self.tty:
-                self.stream.write("\r" + text + ("\n" if self.done == self.total else ""))
-            elif self.done == self.total or self.done % max(1, self.total // 8) == 0:
-                self.stream.write(text + "\n")
-            self.stream.flush()
+        out |= self.wer.fields() if self.wer is not None else {"wer": None}
+        out["wer_note"] = self.wer_note
+        out |= self.sim.fields() if self.sim is not None else {"sim": None}
+        out["sim_note"] = self.sim_note
+        out |= {
+            "ttfts": [r.ttfa for r in self.results], "latencies": [r.elapsed for r in self.results],
+            "start_times": [r.start - t0 for r in self.results], "errors": [r.error for r in self.results],
+            "failures": [{"utt": r.utt, "error": r.error} for r in self.results if not r.ok],
+            "requests": [{"utt": r.utt, "success": r.ok, "error": r.error, "ttft": r.ttfa, "latency": r.elapsed,
+                          "start_time": r.start - t0, "audio_seconds": r.audio_s, "sample_rate": r.sample_rate,
+                          "channels": r.channels, "rtf": r.rtf} for r in self.results],
+        }
+        return out
 
 
 def run_level(lines: list[MetaLine], concurrency: int, s: Settings, warmup: int = 0, progress=None) -> Level:
+    """``progress``: an object with ``tick(ok)`` (see ``progress.make``), or None."""
     for line in lines[:warmup]:
         speak(line, s)  # excluded: first-request costs (graph warm-up, caches)
-    prog = Progress(progress, len(lines), f"concurrency {concurrency}") if progress else None
 
     def one(line):
         r = speak(line, s)
-        if prog:
-            prog.tick(r.ok)
+        if progress is not None:
+            progress.tick(r.ok)
         return r
 
+    if progress is not None:
+        progress.start()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(one, lines))
     return Level(concurrency, results, time.perf_counter() - t0)
 
 
-_WORD = re.compile(r"[^\w\s']+", re.UNICODE)
+def score_level(level: Level, lines: dict[str, MetaLine], transcribe=None, sim_scorer=None, method="seed-tts-eval",
+                progress=None) -> None:
+    """Transcribe (WER) and embed (SIM) every completed stream of the level; failed ones are not scored."""
+    from drama3_patches.tools.bench import wer as wer_mod
+    from drama3_patches.tools.bench.audio import to_model_rate
 
+    from drama3_patches.tools.bench.sim import SimScore
 
-def normalize_text(text: str) -> list[str]:
-    return _WORD.sub(" ", text.lower()).split()
-
-
-def word_errors(ref: str, hyp: str) -> tuple[int, int]:
-    """(edit distance in words, reference length)."""
-    r, h = normalize_text(ref), normalize_text(hyp)
-    prev = list(range(len(h) + 1))
-    for i, rw in enumerate(r, 1):
-        cur = [i] + [0] * len(h)
-        for j, hw in enumerate(h, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (rw != hw))
-        prev = cur
-    return prev[-1], len(r)
-
-
-def wer_unavailable(whisper_path: str | None) -> str | None:
-    """Why WER cannot be computed, or None when it can."""
-    if not whisper_path:
-        return "no --whisper model path given"
-    if not os.path.exists(whisper_path):
-        return f"{whisper_path} does not exist (models are never downloaded)"
-    import importlib.util
-
-    if importlib.util.find_spec("transformers") is None and importlib.util.find_spec("whisper") is None:
-        return "neither transformers nor openai-whisper is installed"
-    return None
-
-
-def make_transcriber(whisper_path: str):
-    """A callable (pcm16 bytes, rate, channels) -> text, from a local model only."""
-    import importlib.util
-
-    if os.path.isfile(whisper_path) and importlib.util.find_spec("whisper") is not None:
-        import tempfile
-        import wave
-
-        import whisper  # openai-whisper: a .pt file path loads without a download
-
-        model = whisper.load_model(whisper_path)
-
-        def transcribe(pcm: bytes, rate: int, channels: int) -> str:
-            with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
-                with wave.open(tmp.name, "wb") as w:
-                    w.setnchannels(channels)
-                    w.setsampwidth(2)
-                    w.setframerate(rate)
-                    w.writeframes(pcm)
-                return model.transcribe(tmp.name, language="en")["text"]
-
-        return transcribe
-    import numpy as np
-    from transformers import pipeline
-
-    asr = pipeline("automatic-speech-recognition", model=whisper_path, model_kwargs={"local_files_only": True})
-
-    def transcribe(pcm: bytes, rate: int, channels: int) -> str:
-        audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-        if channels > 1:
-            audio = audio.reshape(-1, channels).mean(axis=1)
-        return asr({"raw": audio, "sampling_rate": rate})["text"]
-
-    return transcribe
-
-
-def score_level(level: Level, texts: dict[str, str], transcribe) -> None:
-    errors = words = 0
+    pairs, asr_failed, sims = [], [], SimScore()
     for r in level.ok:
-        e, n = word_errors(texts[r.utt], transcribe(r.audio, r.sample_rate, 1))
-        errors, words = errors + e, words + n
-    level.wer = errors / words if words else None
+        audio = to_model_rate(r.audio, r.sample_rate, r.channels)
+        line = lines[r.utt]
+        ok = True
+        if transcribe is not None:
+            try:
+                pairs.append((r.utt, line.text, transcribe(audio)))
+            except Exception as exc:  # one clip the model chokes on is reported, the rest still count
+                asr_failed.append({"utt": r.utt, "reason": f"transcriber failed: {type(exc).__name__}: {exc}"})
+                ok = False
+        if sim_scorer is not None:
+            ok = sim_scorer.add(sims, r.utt, audio, line.prompt_wav) and ok
+        if progress is not None:
+            progress.tick(ok)
+    if transcribe is not None:
+        level.wer = wer_mod.score(pairs, method)
+        level.wer.skipped += asr_failed
+    if sim_scorer is not None:
+        level.sim = sims
 
 
 def sig3(value) -> str:
@@ -436,15 +409,21 @@ def sig3(value) -> str:
     return text.rstrip(".") if "e" not in text else f"{value:.3g}"
 
 
-def table(levels: list[dict], wer_note: str | None = None) -> str:
-    rows = ["| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | completed | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+def table(levels: list[dict], wer_note: str | None = None, sim_note: str | None = None) -> str:
+    """The port's published columns (seconds, as it prints them), then SIM, completed and failed."""
+    rows = ["| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | SIM | completed | failed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def secs(ms):
+        return "-" if ms is None else sig3(ms / 1e3) + " s"
+
     for lv in levels:
         wer = "-" if lv["wer"] is None else f"{lv['wer'] * 100:.2f}%"
-        p50 = "-" if lv["ttfa_p50"] is None else sig3(lv["ttfa_p50"]) + " s"
-        p99 = "-" if lv["ttfa_p99"] is None else sig3(lv["ttfa_p99"]) + " s"
-        rows.append(f"| {lv['concurrency']} | {sig3(lv['audio_s_per_s'])} | {p50} | {p99} | "
-                    f"{sig3(lv['rtf_mean'])} | {wer} | {lv['completed']} | {lv['failed']} |")
-    if wer_note:
-        rows.append(f"\nWER: - ({wer_note})")
+        sim = "-" if lv["sim"] is None else f"{lv['sim']:.3f}"
+        rows.append(f"| {lv['max_concurrency']} | {sig3(lv['audio_throughput'])} | {secs(lv['median_ttft_ms'])} | "
+                    f"{secs(lv['p99_ttft_ms'])} | {sig3(lv['mean_rtf'])} | {wer} | {sim} | {lv['completed']} | "
+                    f"{lv['failed']} |")
+    notes = [f"WER: - ({wer_note})" if wer_note else "", f"SIM: - ({sim_note})" if sim_note else ""]
+    if any(notes):
+        rows.append("\n" + "\n".join(n for n in notes if n))
     return "\n".join(rows)
