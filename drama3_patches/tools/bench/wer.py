@@ -199,10 +199,12 @@ def load_transcriber(whisper_path: str | None = None, backend: str = "auto", tra
             raise ValueError("openai-whisper is not installed (pip install openai-whisper)")
         import whisper  # a file path loads as is; only a bare model name would download
 
-        model = whisper.load_model(path, device=_device())
+        device = _device()
+        model = whisper.load_model(path, device=device)
 
         def transcribe(audio) -> str:
-            return model.transcribe(audio, language="en", task="transcribe")["text"]
+            # fp16 only where it runs (CUDA); on CPU whisper would warn and fall back each call.
+            return model.transcribe(audio, language="en", task="transcribe", fp16=device == "cuda")["text"]
 
         return transcribe, f"openai-whisper {path}"
     if not os.path.isfile(os.path.join(path, "config.json")):
