@@ -534,6 +534,25 @@ def test_progress_uses_tqdm_on_a_terminal_and_plain_lines_elsewhere():
                                              "c: 3/16 done, 2 completed, 1 failed, 12.0 s elapsed"]
 
 
+def test_progress_on_a_real_terminal_needs_its_size():
+    """A pty that reports no size gets plain lines (tqdm would draw nothing there); a sized one, the bar."""
+    if importlib.util.find_spec("tqdm") is None or not hasattr(os, "openpty"):
+        pytest.skip("needs tqdm and a pty")
+    import fcntl
+    import termios
+
+    leader, follower = os.openpty()
+    try:
+        with open(follower, "w", closefd=False) as tty:
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+            assert tty.isatty() and progress.use_tqdm(tty) is False
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+            assert progress.use_tqdm(tty) is True
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
 def test_quiet_silences_progress(tmp_path):
     meta = write_meta(tmp_path, ["audio=0.2", "audio=0.2 mode=http500"])
     with SpeechServer() as server:

@@ -8,6 +8,7 @@ at least every ``EVERY_S`` seconds, so a log of an hour-long level shows it movi
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 import time
 
@@ -21,7 +22,14 @@ def use_tqdm(stream) -> bool:
         tty = bool(isatty()) if callable(isatty) else False
     except (OSError, ValueError):  # a closed or detached stream
         tty = False
-    return tty and importlib.util.find_spec("tqdm") is not None
+    if not tty or importlib.util.find_spec("tqdm") is None:
+        return False
+    try:
+        # tqdm draws nothing on a terminal that reports no size (a bare pty): lines instead.
+        size = os.get_terminal_size(stream.fileno())
+        return size.columns > 0 and size.lines > 0
+    except (AttributeError, OSError, ValueError):  # no descriptor to ask: trust isatty
+        return True
 
 
 class Progress:

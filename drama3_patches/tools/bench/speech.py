@@ -22,7 +22,6 @@ import json
 import os
 import random
 import struct
-import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
