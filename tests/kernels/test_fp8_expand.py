@@ -5,11 +5,13 @@ from __future__ import annotations
 import weakref
 
 import pytest
-import torch
 
-from drama3_patches.kernels import fp8 as k8
-from drama3_patches.kernels import fp8_native
-from support import fake_npu
+from support.tiers import needs_torch
+
+torch = needs_torch()
+from drama3_patches.kernels import fp8 as k8  # noqa: E402
+from drama3_patches.kernels import fp8_native  # noqa: E402
+from support import fake_npu  # noqa: E402
 
 KERNELS = ["native", "torch"]
 
@@ -213,7 +215,7 @@ def test_threads_give_the_same_bits_and_restore_torch_threads(threads, kernel):
     assert torch.get_num_threads() == before
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_expansion_into_device_output_uses_blocking_copies():
     fake_npu.enable()
     e, n, k = 3, 256, 300

@@ -8,10 +8,12 @@ import os
 import platform
 
 import pytest
-import torch
 
-from drama3_patches.kernels import fp8 as k8
-from drama3_patches.kernels import fp8_native
+from support.tiers import needs_torch
+
+torch = needs_torch()
+from drama3_patches.kernels import fp8 as k8  # noqa: E402
+from drama3_patches.kernels import fp8_native  # noqa: E402
 
 needs_cc = pytest.mark.skipif(fp8_native._compiler() is None, reason="no C compiler here")
 

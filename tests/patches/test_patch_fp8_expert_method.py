@@ -4,16 +4,21 @@ test_fp8_loader.py."""
 
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from drama3_patches.kernels.fp8 import reference_dequant
-from drama3_patches.patchlib import NotNeeded, PatchContext
-from support import fake_npu
-from support.replicas import ASCEND_MAIN, apply_on_npu, profile_paths
+from support.replicas import (
+    ASCEND_HOST_ENV, ASCEND_MAIN, FISH_OMNI_ABSENT, apply_checked, apply_on_npu, has_fish_omni, needs_fish_omni,
+    prepend_profiles,
+)
+from support.subproc import call
+from support.tiers import needs_torch
+
+torch = needs_torch()
+from drama3_patches.kernels.fp8 import reference_dequant  # noqa: E402
+from drama3_patches.patchlib import NotNeeded, PatchContext  # noqa: E402
+from support import fake_npu  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -27,16 +32,15 @@ def _published_config_class():
     before the simulated npu is enabled: with torch.npu present vllm-omni picks its NPU platform,
     which imports vllm_ascend.platform (not among the stand-ins)."""
     import importlib
-    import importlib.util
 
-    if importlib.util.find_spec("vllm_omni.model_executor.models.fish_omni") is None:
-        pytest.skip("this vllm-omni has no published fish_omni (0.32.0rc1 does)")
+    if not has_fish_omni():
+        pytest.skip(FISH_OMNI_ABSENT)
     return importlib.import_module(MODULE).ExpertFp8Config
 
 
 def _enable_patch(monkeypatch):
-    """Fresh process only: vLLM-Ascend stand-ins on sys.path, the engine on, as on an NPU host."""
-    sys.path[:0] = [str(p) for p in profile_paths(ASCEND_MAIN)]
+    """Forked tests only: vLLM-Ascend stand-ins on sys.path, the engine on, as on an NPU host."""
+    prepend_profiles(ASCEND_MAIN)
     ExpertFp8Config = _published_config_class()
     return apply_on_npu(monkeypatch, "fp8-expert-method"), ExpertFp8Config
 
@@ -45,8 +49,8 @@ _ENTERED = []  # the entered context managers: collecting one would leave the co
 
 
 def _enter_vllm_config():
-    """What vLLM's model construction provides: a current config (CustomOp needs one).  Fresh
-    process: left entered."""
+    """What vLLM's model construction provides: a current config (CustomOp needs one).  Forked
+    tests (or a child): left entered."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
     ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
@@ -94,7 +98,7 @@ def test_published_expert_fp8_config_is_what_the_patch_expects():
                       UnquantizedLinearMethod)
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_experts_get_the_ascend_method_and_extra_keywords_are_passed_on(monkeypatch):
     d3p, ExpertFp8Config = _enable_patch(monkeypatch)
     _enter_vllm_config()
@@ -161,7 +165,7 @@ def test_call_accepting_passes_only_what_the_callee_takes():
         call_accepting(two, 1)
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_refusals_name_the_layer_mismatched_scales_and_reloads(monkeypatch):
     _, ExpertFp8Config = _enable_patch(monkeypatch)
     fake_npu.enable()
@@ -236,27 +240,70 @@ def _checkpoint(seed: int):
 
 
 @pytest.mark.npu
-def test_on_a_real_npu_expansion_lands_bit_exact_in_the_ascend_layout():
-    """Ascend host only: host fp8 experts expanded into a real NPU tensor, then read back."""
+@needs_fish_omni
+def test_on_a_real_npu_the_patched_config_expands_experts_bit_exact_in_the_ascend_layout():
+    """Ascend host only: the published ExpertFp8Config with the patch applied by the engine hands
+    a routed-experts layer vLLM-Ascend's method fed from the fp8 checkpoint; the weights built
+    under the NPU device, loaded, post-processed, read back. A fresh interpreter: the device
+    runtime must not start in a fork, and the start-up hook applies the patches as deployed."""
+    out = call(expand_on_the_npu, env=ASCEND_HOST_ENV, timeout=900)
+    if out["mxfp8"]:
+        # Ascend 950: vLLM-Ascend's own FP8 MoE method, no CPU expansion.
+        assert out["method_module"].startswith("vllm_ascend."), out
+        return
+    assert out["method"] == "ExpandedFp8MoEMethod" and out["method_base"] == "AscendUnquantizedFusedMoEMethod"
+    assert out["placeholders"] == ["meta"] * 4  # nothing of the fp8 checkpoint went to the device
+    assert out["loaded_into_host"] is True
+    assert out["devices"] == ["npu", "npu"] and out["dtypes"] == ["torch.bfloat16"] * 2
+    assert out["scales_dropped"] is True
+    assert out["w13_equal"] == [True] * E and out["w2_equal"] == [True] * E
+
+
+def expand_on_the_npu() -> dict:
+    """The child of the test above."""
     import torch_npu  # noqa: F401
 
-    from drama3_patches.patches.fp8_expert_method import expand_layer
+    from drama3_patches.patches.fp8_expert_method import has_mxfp8
 
+    ExpertFp8Config = _published_config_class()
+    apply_checked("fp8-expert-method")
+    _enter_vllm_config()
+    config = ExpertFp8Config(weight_block_size=[B, B])
+    layer = _experts_layer()
+    method = config.get_quant_method(layer, layer.prefix)
+    out = {"mxfp8": has_mxfp8(), "method": type(method).__name__, "method_module": type(method).__module__}
+    if out["mxfp8"]:
+        return out
+    out["method_base"] = type(method).__mro__[1].__name__
     ckpt = _checkpoint(9)
-    layer = torch.nn.Module()
-    layer._drama3_target_device = torch.device("npu", torch.npu.current_device())
     host = {
         "w13_weight": torch.stack([torch.cat([w["w1"], w["w3"]]) for w in ckpt]),
         "w13_weight_scale_inv": torch.stack([torch.cat([w["s1"], w["s3"]]) for w in ckpt]),
         "w2_weight": torch.stack([w["w2"] for w in ckpt]),
         "w2_weight_scale_inv": torch.stack([w["s2"] for w in ckpt]),
     }
-    for name, t in host.items():
-        layer.register_parameter(name, torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"),
-                                                          requires_grad=False))
-    expand_layer(layer, {k: torch.nn.Parameter(v, requires_grad=False) for k, v in host.items()}, (B, B))
+    loaded = []
+
+    def loader(param, weight, *args, **kwargs):  # vLLM's FusedMoE loader, whole tensors here
+        loaded.append(param.device.type)
+        param.data.copy_(weight)
+
+    with torch.device("npu", torch.npu.current_device()):
+        method.create_weights(layer, E, H, I, torch.bfloat16, weight_loader=loader)
+    out["placeholders"] = [getattr(layer, name).device.type for name in host]
+    for name, tensor in host.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), tensor)
+    out["loaded_into_host"] = loaded == ["cpu"] * 4
+    method.process_weights_after_loading(layer)
     torch.npu.synchronize()
-    got = layer.w13_weight.cpu()
+    out["devices"] = [layer.w13_weight.device.type, layer.w2_weight.device.type]
+    out["dtypes"] = [str(layer.w13_weight.dtype), str(layer.w2_weight.dtype)]
+    out["scales_dropped"] = not hasattr(layer, "w13_weight_scale_inv") and not hasattr(layer, "w2_weight_scale_inv")
+    w13, w2 = layer.w13_weight.cpu(), layer.w2_weight.cpu()
+    out["w13_equal"], out["w2_equal"] = [], []
     for e, w in enumerate(ckpt):
         gate_up = torch.cat([reference_dequant(w["w1"], w["s1"]), reference_dequant(w["w3"], w["s3"])])
-        assert torch.equal(got[e].view(torch.int16), gate_up.t().contiguous().view(torch.int16))
+        out["w13_equal"].append(torch.equal(w13[e].view(torch.int16), gate_up.t().contiguous().view(torch.int16)))
+        down = reference_dequant(w["w2"], w["s2"])
+        out["w2_equal"].append(torch.equal(w2[e].view(torch.int16), down.t().contiguous().view(torch.int16)))
+    return out

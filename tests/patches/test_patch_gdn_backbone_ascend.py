@@ -1,13 +1,13 @@
 """gdn-backbone-ascend on the published ``fish_omni.gdn`` (vllm-omni 0.32.0rc1) and real vLLM GDN layers.
 
-The child process stands where an Ascend worker stands when ``FishOmniForConditionalGeneration``
+The forked test stands where an Ascend worker stands when ``FishOmniForConditionalGeneration``
 is built: vLLM's platform is an out-of-tree ``npu`` platform (the ``_enum``/``device_type`` of
 vLLM-Ascend's), and the backbone's layers are real ``QwenGatedDeltaNetAttention`` instances built
 by their own constructor (TP=1 gloo group, a real ``VllmConfig`` from a tiny ``FishOmniConfig``,
 whose ``text_config`` is the Qwen3.5 MoE config the backbone reads).  vLLM-Ascend patches that
 class in place (``get_attn_backend``, ``_forward_core``, ``forward``, ...); the child does the same
 with ``get_attn_backend`` so the test can see whose backend a layer ends up with.  CUDA is "vLLM's
-platform answering is_cuda()", as in tests/test_patch_qwen3next_eager_attention.py.
+platform answering is_cuda()", as in test_patch_qwen3next_eager_attention.py.
 
 The published model class itself cannot be built here (its module needs torchvision through
 vLLM's qwen3_5 -> qwen3_vl imports); the call is made the way its ``__init__`` makes it:
@@ -18,23 +18,19 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 
 import pytest
-import torch
 
-from drama3_patches.patches import gdn_backbone_ascend as gba
-from drama3_patches.patchlib import NotNeeded, PatchContext
-from support import fake_npu
-from support.replicas import apply_on_npu, installed
+from support.logs import captured
+from support.replicas import apply_on_npu, needs_fish_omni
+from support.tiers import needs_torch
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not (installed("vllm-omni") or "").startswith("0.32."),
-        reason="fish_omni (Drama 3) is published in vllm-omni 0.32.0rc1 only",
-    ),
-]
+torch = needs_torch()
+from drama3_patches.patches import gdn_backbone_ascend as gba  # noqa: E402
+from drama3_patches.patchlib import NotNeeded, PatchContext  # noqa: E402
+from support import fake_npu  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, needs_fish_omni]
 
 GDN_MODULE = "vllm_omni.model_executor.models.fish_omni.gdn"
 TARGET = f"{GDN_MODULE}:install_drama3_gdn"
@@ -53,23 +49,7 @@ def _boot(tmp_path):
     """npu platform for vLLM, a real VllmConfig, TP=1: returns (vllm_config, text_config)."""
     import tempfile
 
-    import vllm.platforms as vp
-    from vllm.platforms.interface import Platform, PlatformEnum
-
-    class SimulatedNpuPlatform(Platform):
-        _enum = PlatformEnum.OOT
-        device_name = "npu"
-        device_type = "npu"
-        dispatch_key = "PrivateUse1"
-
-        @classmethod
-        def current_device(cls):
-            return torch.device("cpu")  # where the layers' norm weights go; they stay on the host here
-
-    vp._current_platform = SimulatedNpuPlatform()
-    import vllm_omni  # noqa: F401  (resolves its platform while torch.npu does not exist yet)
-
-    fake_npu.enable()  # torch.device("npu") is valid: DeviceConfig resolves to the platform's type
+    fake_npu.vllm_on_npu()  # DeviceConfig resolves to the platform's type, npu
     from vllm import ModelRegistry
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -125,15 +105,6 @@ def _install(backbone) -> int:
     return importlib.import_module(GDN_MODULE).install_drama3_gdn(backbone)
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _check_feature_detection() -> None:
     """plan() on the published function, on a platform-guarded one, on one that fails."""
     gdn = importlib.import_module(GDN_MODULE)
@@ -169,7 +140,7 @@ def _check_feature_detection() -> None:
         gba.plan(ctx_for(namespace["install_drama3_gdn"]))
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_on_npu_the_backbone_keeps_vllms_gdn_and_cuda_still_swaps(tmp_path, monkeypatch):
     vllm_config, text_config = _boot(tmp_path)
     _check_feature_detection()
@@ -192,14 +163,12 @@ def test_on_npu_the_backbone_keeps_vllms_gdn_and_cuda_still_swaps(tmp_path, monk
     assert gdn.install_drama3_gdn.__wrapped__ is original
     assert inspect.signature(gdn.install_drama3_gdn) == inspect.signature(original)
 
-    lines = _Lines()
-    gba.logger.addHandler(lines)
-    gba.logger.setLevel(logging.INFO)
     backbone = _backbone(vllm_config, text_config)
-    assert _install(backbone) == 0
+    with captured(gba.logger.name) as lines:
+        assert _install(backbone) == 0
     assert [type(m) for m in _gdn_layers(backbone)] == [QwenGatedDeltaNetAttention] * 2
     assert _gdn_layers(backbone)[0].get_attn_backend() is AscendGdnBackendStandIn
-    assert any("kept 2 Qwen GDN layer(s)" in line and "'npu'" in line for line in lines.lines), lines.lines
+    assert any("kept 2 Qwen GDN layer(s)" in m and "'npu'" in m for m in lines), lines
 
     # CUDA unchanged: with vLLM's platform answering CUDA the published swap runs.
     real = vp.current_platform

@@ -1,9 +1,9 @@
 """preemption-host-copy on the published ``FishOmniModelState`` (vllm-omni 0.32.0rc1), simulated npu.
 
-Each test that builds the state runs in a fresh interpreter, set up as an Ascend worker would be
+Each test that builds the state runs in a fork (pytest-forked), set up as an Ascend worker would be
 as far as the model state can tell:
 
-* vLLM's platform is an out-of-tree ``npu`` platform without pinned memory (``is_uva_available()``
+* ``fake_npu.vllm_on_npu()``: vLLM's platform is an out-of-tree ``npu`` platform without pinned memory (``is_uva_available()``
   is False, so the state's ``UvaBufferPool``s take vLLM's staged ``NonUvaBuffer`` fallback on
   ``current_platform.device_type``); vllm-omni resolves its own platform before ``torch.npu``
   exists, so it stays unspecified instead of importing vllm-ascend (not installed here);
@@ -29,19 +29,18 @@ import inspect
 import weakref
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
-import torch
 
-from drama3_patches.patches import preemption_host_copy as php
-from drama3_patches.patchlib import NotNeeded, PatchContext
-from support import fake_npu
-from support.replicas import apply_on_npu, installed
+from support.replicas import ASCEND_HOST_ENV, apply_checked, apply_on_npu, needs_fish_omni
+from support.subproc import call
+from support.tiers import needs_torch
 
-needs_fish_omni = pytest.mark.skipif(
-    not (installed("vllm-omni") or "").startswith("0.32."),
-    reason="fish_omni (Drama 3) is published in vllm-omni 0.32.0rc1 only",
-)
+torch = needs_torch()
+import numpy as np  # noqa: E402  (a torch dependency)
+
+from drama3_patches.patches import preemption_host_copy as php  # noqa: E402
+from drama3_patches.patchlib import NotNeeded, PatchContext  # noqa: E402
+from support import fake_npu  # noqa: E402
 
 MODULE = "vllm_omni.model_executor.models.fish_omni.model_state"
 TARGET = f"{MODULE}:FishOmniModelState.on_request_preempted"
@@ -128,29 +127,8 @@ class StreamDecoderDouble:
 
 
 # ----------------------------------------------------------------------------------------------
-# Fresh-process set-up
+# Set-up (forked tests: fake_npu.vllm_on_npu() first)
 # ----------------------------------------------------------------------------------------------
-
-
-def _boot() -> None:
-    """vLLM on an npu platform without pinned memory, vllm-omni imported, then the simulated device."""
-    import vllm.platforms as vp
-    from vllm.platforms.interface import Platform, PlatformEnum
-
-    class SimulatedNpuPlatform(Platform):
-        _enum = PlatformEnum.OOT
-        device_name = "npu"
-        device_type = "npu"
-        dispatch_key = "PrivateUse1"
-
-        @classmethod
-        def is_pin_memory_available(cls) -> bool:
-            return False
-
-    vp._current_platform = SimulatedNpuPlatform()
-    import vllm_omni  # noqa: F401  (resolves its platform while torch.npu does not exist yet)
-
-    fake_npu.enable()
 
 
 def _vllm_config(tmp_path):
@@ -296,9 +274,9 @@ def _check_feature_detection() -> None:
 
 @pytest.mark.vllm
 @needs_fish_omni
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_resume_after_preemption_fails_unpatched_and_is_bit_exact_patched(tmp_path, monkeypatch):
-    _boot()
+    fake_npu.vllm_on_npu()
     _check_feature_detection()
     vllm_config = _vllm_config(tmp_path)
 
@@ -369,11 +347,11 @@ def test_resume_after_preemption_fails_unpatched_and_is_bit_exact_patched(tmp_pa
 
 @pytest.mark.vllm
 @needs_fish_omni
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_the_parent_chains_own_park_resumes_as_upstream_keeps_it(tmp_path):
     """OmniModelState -> EagerMTPState.suspend_audio parks a stream decoder's slot state (Drama 3's
     model has no stream decoder, other Omni models do): the patch must not touch it."""
-    _boot()
+    fake_npu.vllm_on_npu()
     from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
     from vllm_omni.worker_v2.model_states.eager_mtp import TalkerInputs
 
@@ -417,12 +395,12 @@ def test_the_parent_chains_own_park_resumes_as_upstream_keeps_it(tmp_path):
 
 @pytest.mark.vllm
 @needs_fish_omni
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_without_uva_every_staged_upload_reaches_the_npu(tmp_path):
     """The state's four UvaBufferPools on an npu platform without pinned memory: vLLM's
     NonUvaBuffer keeps a host staging tensor and a device tensor on the platform's device_type,
     and each step's upload is an explicit host-to-device copy (no UVA view, no host sync)."""
-    _boot()
+    fake_npu.vllm_on_npu()
     from vllm.v1.worker.gpu.buffer_utils import NonUvaBuffer
 
     state, model = _build(_vllm_config(tmp_path), "npu")
@@ -506,16 +484,37 @@ def test_park_on_host_leaves_cuda_parks_and_host_tensors_alone():
 @needs_fish_omni
 @pytest.mark.npu
 def test_on_a_real_npu_resume_after_preemption_is_bit_exact(tmp_path):
-    """Ascend host only (vllm-ascend installed): the same scenario on torch_npu tensors."""
+    """Ascend host only (vllm-ascend installed): the patch applied by the engine to the published
+    state, the preemption scenario on torch_npu tensors. A fresh interpreter: the device runtime
+    must not start in a fork, and the start-up hook applies the patches as in a deployment."""
+    out = call(resume_on_the_npu, str(tmp_path), env=ASCEND_HOST_ENV, timeout=900)
+    assert out["wrapped_original"] is True
+    assert out["parked_on"] == ["cpu", "cpu"]
+    assert out["history_device"] == "npu"
+
+
+def resume_on_the_npu(tmp: str) -> dict:
+    """The child of the test above; raises where the scenario goes wrong."""
+    from pathlib import Path
+
     import torch_npu  # noqa: F401
     from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
 
-    original = FishOmniModelState.on_request_preempted
-    try:
-        FishOmniModelState.on_request_preempted = php.build(original)
-        state, model = _build(_vllm_config(tmp_path), "npu")
-        a_frames, b_frames = _scenario(state, model)
-        torch.npu.synchronize()
-        _check_resumed(state, model, a_frames, b_frames)
-    finally:
-        FishOmniModelState.on_request_preempted = original
+    d3p = apply_checked("preemption-host-copy")
+    out = {"wrapped_original": FishOmniModelState.on_request_preempted.__wrapped__ is d3p.get_original(TARGET)}
+    state, model = _build(_vllm_config(Path(tmp)), "npu")
+    _admit(state, 1, _request("A", A_PROMPT))
+    a_frames = _frames(6, seed=3)
+    _generate(state, model, 1, a_frames)
+    state.on_request_preempted("A", 1)
+    parked = state._suspended["A"]
+    out["parked_on"] = [parked.history.device.type, parked.count.device.type]
+    out["history_device"] = model.buffers.slot_history.device.type
+    state.remove_request(1)
+    _admit(state, 1, _request("B", B_PROMPT))
+    b_frames = _frames(9, seed=8)
+    _generate(state, model, 1, b_frames)
+    _admit(state, 3, _request("A", A_PROMPT, a_frames[:, 0].tolist()))
+    torch.npu.synchronize()
+    _check_resumed(state, model, a_frames, b_frames)
+    return out

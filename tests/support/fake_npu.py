@@ -28,13 +28,14 @@ arguments that would be resized are not supported.  Copies are synchronous
 
 ``enable()`` changes process-wide torch state that cannot be undone (the
 backend name, ``torch.npu``, ``Tensor.npu``).  Tests that use it run in a
-fresh interpreter: decorate them with :func:`in_fresh_process`.
+forked process: mark them ``@pytest.mark.forked`` (pytest-forked).
+:func:`vllm_on_npu` also makes vLLM's current platform an ``npu`` one first.
 
 Use::
 
-    from support import fake_npu          # tests/conftest.py puts tests/ on sys.path
+    from support import fake_npu
 
-    @fake_npu.in_fresh_process
+    @pytest.mark.forked
     def test_something():
         fake_npu.enable()
         x = torch.arange(4).to("npu")     # FakeNpuTensor on npu:0
@@ -45,12 +46,7 @@ Use::
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -61,10 +57,10 @@ __all__ = [
     "FakeNpuTensor",
     "Transfer",
     "enable",
-    "in_fresh_process",
     "is_fake_npu",
     "record_transfers",
     "to_npu",
+    "vllm_on_npu",
 ]
 
 DEVICE = "npu:0"  # a string: torch.device("npu") is only valid after enable()
@@ -338,50 +334,34 @@ def enable() -> None:
     _ENABLED = True
 
 
-# --------------------------------------------------------------------------
-# Running a test in a fresh interpreter
-# --------------------------------------------------------------------------
+def vllm_on_npu() -> None:
+    """As far as vLLM and vllm-omni can tell, this process is an Ascend worker (forked tests only).
 
-_CHILD_ENV = "DRAMA3_TEST_FRESH_PROCESS"
-_REPO = Path(__file__).resolve().parents[2]
-
-
-def _run_child(path: str, name: str) -> tuple[str, str]:
-    """Run ``pytest path::name`` in a fresh interpreter: ``(passed|skipped|failed, output)``."""
-    env = dict(os.environ, **{_CHILD_ENV: "1"})
-    roots = [str(_REPO), str(_REPO / "tests")]
-    env["PYTHONPATH"] = os.pathsep.join(roots + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{path}::{name}", "-q", "-rs", "-p", "no:cacheprovider"],
-        cwd=_REPO, env=env, capture_output=True, text=True,
-    )
-    text = proc.stdout[-8000:] + proc.stderr[-2000:]
-    if proc.returncode == 0 and " passed" in proc.stdout:
-        return "passed", text
-    if proc.returncode == 0 and " skipped" in proc.stdout:
-        return "skipped", text
-    return "failed", text
-
-
-def in_fresh_process(test):
-    """Decorator: run this pytest test function in a fresh interpreter.
-
-    The parent runs ``pytest <file>::<name>`` in a subprocess and reports its
-    outcome (pass, skip with the child's reason, or fail with its output).
-    Fixtures work (the child resolves them again); parametrized tests do not.
+    vLLM's current platform becomes an out-of-tree ``npu`` one (the ``_enum`` / ``device_type`` /
+    ``dispatch_key`` of vLLM-Ascend's) without pinned memory, whose ``current_device`` is the
+    host (where layers put small weights the simulated device need not hold); vllm-omni is
+    imported while ``torch.npu`` does not exist yet, so it resolves no NPU platform of its own
+    (that one imports vllm-ascend); then the simulated device is enabled, so
+    ``torch.device("npu")`` and ``DeviceConfig(device="npu")`` are valid.
     """
+    import vllm.platforms as vllm_platforms
+    from vllm.platforms.interface import Platform, PlatformEnum
 
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        if os.environ.get(_CHILD_ENV) == "1":
-            return test(*args, **kwargs)
-        import pytest
+    class SimulatedNpuPlatform(Platform):
+        _enum = PlatformEnum.OOT
+        device_name = "npu"
+        device_type = "npu"
+        dispatch_key = "PrivateUse1"
 
-        outcome, text = _run_child(str(Path(test.__code__.co_filename).resolve()), test.__name__)
-        if outcome == "skipped":
-            reason = [ln for ln in text.splitlines() if ln.startswith("SKIPPED")]
-            pytest.skip(reason[0] if reason else "skipped in the fresh process")
-        if outcome == "failed":
-            pytest.fail(f"fresh-process run of {test.__name__} failed:\n{text}", pytrace=False)
+        @classmethod
+        def current_device(cls):
+            return torch.device("cpu")
 
-    return wrapper
+        @classmethod
+        def is_pin_memory_available(cls) -> bool:
+            return False
+
+    vllm_platforms._current_platform = SimulatedNpuPlatform()
+    import vllm_omni  # noqa: F401
+
+    enable()

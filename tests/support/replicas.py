@@ -14,9 +14,12 @@ Two kinds, both for code that cannot import on this CPU host:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from importlib import metadata
 from pathlib import Path
+
+import pytest
 
 REPLICAS = Path(__file__).resolve().parents[1] / "replicas"
 
@@ -49,6 +52,17 @@ def installed(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+def has_fish_omni() -> bool:
+    """The installed vllm-omni publishes fish_omni (Drama 3; 0.32.0rc1 on). Looked up on disk:
+    importing vllm-omni patches vLLM, which a test may need to come first."""
+    spec = importlib.util.find_spec("vllm_omni")
+    return bool(spec and spec.origin) and (Path(spec.origin).parent / "model_executor/models/fish_omni").is_dir()
+
+
+FISH_OMNI_ABSENT = "this vllm-omni has no fish_omni (Drama 3 is published from vllm-omni 0.32.0rc1 on)"
+needs_fish_omni = pytest.mark.skipif(not has_fish_omni(), reason=FISH_OMNI_ABSENT)
 
 
 def omni_npu_runners(version: str | None = None) -> Path:
@@ -87,11 +101,14 @@ def npu_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def apply_on_npu(monkeypatch, patch_id: str):
-    """Fresh process only: the engine on as on an Ascend host (strict), ``patch_id`` applied to
-    what is imported and checked ``applied``; returns the ``drama3_patches`` module."""
-    for name, value in npu_env(DRAMA3_PATCHES_STRICT="1").items():
-        monkeypatch.setenv(name, value)
+#: A real Ascend host's child (tests marked ``npu``): the engine on and strict, the platform
+#: detected, not told.
+ASCEND_HOST_ENV = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_STRICT": "1"}
+
+
+def apply_checked(patch_id: str):
+    """``patch_id`` applied to what is imported (the environment already enables the engine) and
+    checked ``applied``; returns the ``drama3_patches`` module."""
     import drama3_patches
 
     drama3_patches.apply([patch_id])
@@ -100,11 +117,24 @@ def apply_on_npu(monkeypatch, patch_id: str):
     return drama3_patches
 
 
+def apply_on_npu(monkeypatch, patch_id: str):
+    """Forked tests: the engine on as on an Ascend host (strict, platform npu), then
+    :func:`apply_checked`."""
+    for name, value in npu_env(DRAMA3_PATCHES_STRICT="1").items():
+        monkeypatch.setenv(name, value)
+    return apply_checked(patch_id)
+
+
+def prepend_profiles(*names: str) -> None:
+    """Forked tests: the profiles first on sys.path, for the rest of the process."""
+    sys.path[:0] = [str(p) for p in profile_paths(*names)]
+
+
 @contextlib.contextmanager
 def on_sys_path(*names: str):
     """Put profiles first on this process's sys.path; restore sys.path and forget the modules
-    imported from them on exit. Prefer a child process (``npu_env`` + ``profile_paths`` with
-    ``tests.support.subproc.run_python``) for anything that patches real classes."""
+    imported from them on exit. Prefer a forked test (``@pytest.mark.forked``) for anything that
+    patches real classes."""
     roots = [str(p) for p in profile_paths(*names)]
     saved = list(sys.path)
     before = set(sys.modules)

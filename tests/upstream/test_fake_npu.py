@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from support import fake_npu
+from support.subproc import TESTS, run_pytest
+from support.tiers import needs_torch
+
+torch = needs_torch()
+from support import fake_npu  # noqa: E402  (imports torch)
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_device_identity_and_explicit_copies():
     assert not hasattr(torch, "npu")  # nothing registered before enable()
     fake_npu.enable()
@@ -52,7 +55,7 @@ def test_device_identity_and_explicit_copies():
         torch.npu.synchronize()
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_mixing_with_cpu_tensors_raises_like_a_device():
     fake_npu.enable()
     dev = torch.arange(6.0).reshape(2, 3).to("npu")
@@ -83,7 +86,7 @@ def test_mixing_with_cpu_tensors_raises_like_a_device():
     assert torch.zeros(4, 3, device="npu").index_copy_(0, index, dev).cpu()[2].tolist() == [3.0, 4.0, 5.0]
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_parameter_data_assignment_follows_the_new_tensor():
     fake_npu.enable()
     param = torch.nn.Parameter(torch.zeros(3).to("npu"), requires_grad=False)
@@ -96,7 +99,7 @@ def test_parameter_data_assignment_follows_the_new_tensor():
         param.data = torch.zeros(2, 3)
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_transfers_are_recorded_with_their_blocking_flag():
     fake_npu.enable()
     dev = torch.ones(4).to("npu")
@@ -108,7 +111,7 @@ def test_transfers_are_recorded_with_their_blocking_flag():
     assert [(t.direction, t.non_blocking) for t in log] == [("d2h", False), ("d2h", True), ("h2d", False)]
 
 
-@fake_npu.in_fresh_process
+@pytest.mark.forked
 def test_reproduces_the_port_bug_a_cloned_history_stays_on_the_device():
     """The original port parked frame history with clone() off CUDA; resume mixed it with CPU data."""
     fake_npu.enable()
@@ -123,16 +126,37 @@ def test_reproduces_the_port_bug_a_cloned_history_stays_on_the_device():
     assert resumed.shape == (10, 4) and torch.equal(resumed[:8], history.cpu())
 
 
-def test_fresh_process_decorator_reports_child_failures(tmp_path):
-    # The decorator must not turn a failing child into a pass.
-    probe = tmp_path / "test_probe_child.py"
-    probe.write_text(
-        "from support import fake_npu\n"
-        "@fake_npu.in_fresh_process\n"
-        "def test_inner():\n"
-        "    assert 1 == 2, 'child saw the failure'\n"
-    )
-    from support.fake_npu import _run_child
+FORKED_PROBE = """
+import pytest
+import torch
+from support import fake_npu
 
-    outcome, text = _run_child(str(probe), "test_inner")
-    assert outcome == "failed" and "child saw the failure" in text
+
+@pytest.mark.forked
+def test_enables_the_device_in_its_fork():
+    fake_npu.enable()
+    assert torch.zeros(1, device="npu").device.type == "npu"
+
+
+@pytest.mark.forked
+def test_fails_in_its_fork():
+    assert 1 == 2, "the fork saw the failure"
+
+
+def test_parent_never_saw_the_device():
+    assert torch._C._get_privateuse1_backend_name() == "privateuseone"
+    assert not hasattr(torch, "npu")
+"""
+
+
+def test_forked_tests_report_failures_and_leave_the_parent_untouched(tmp_path):
+    # What the simulated device relies on: pytest-forked (as pinned with pytest) runs a marked
+    # test in a fork, reports its failure as one, and keeps its irreversible set-up out of the
+    # test process.
+    probe = tmp_path / "test_forked_probe.py"
+    probe.write_text(FORKED_PROBE)
+    proc = run_pytest("-q", str(probe), pythonpath=[TESTS])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "the fork saw the failure" in out, out
+    assert "1 failed, 2 passed" in out, out
