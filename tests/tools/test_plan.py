@@ -1,7 +1,9 @@
-"""`drama3-patches plan` on small real checkpoints that these tests write.
+"""`drama3-patches plan` on small real checkpoints that these tests write: Drama 3's published
+fish_omni format (FishOmniConfig config.json, Qwen3.5-MoE names, codebook tower, codec.pth) and the
+Qwen3-Next layout of other MoE checkpoints.
 
-Expected figures are computed here from the model's formulas (parameter
-counts per role), not by summing what the planner summed.
+Expected figures are computed here from the writer's tensor list, summed by the role the writer
+gives each tensor, and from the model's formulas; never by summing what the planner summed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,8 @@ import pytest
 from drama3_patches.tools.plan import model as planner
 from drama3_patches.tools.plan.cards import GIB, lookup
 from drama3_patches.tools import plan as plan_cmd
-from support.checkpoints import CFG, STANDIN_CFG, tensor_specs, write_checkpoint, write_safetensors
+from support.checkpoints import (CFG, CODEC_SPECS, DRAMA3_CFG, FISH_CFG, STANDIN_CFG, fish_tensor_specs, tensor_specs,
+                                 write_checkpoint, write_fish_checkpoint, write_safetensors)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,6 +66,27 @@ def plan_json(ckpt, *args):
                        capture_output=True, text=True, env=_env(), timeout=120)
     assert r.returncode in (0, 1), r.stderr
     return r.returncode, json.loads(r.stdout)
+
+
+def plan_here(ckpt, *args):
+    """The command in this process (FishOmniConfig is imported once per test process)."""
+    import contextlib
+    import io
+
+    parser = argparse.ArgumentParser()
+    plan_cmd.register(parser.add_subparsers())
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        parsed = parser.parse_args(["plan", str(ckpt), *args])
+        rc = parsed.func(parsed)
+    text = out.getvalue()
+    return rc, (json.loads(text) if "--json" in args else text), err.getvalue()
+
+
+def fish_json(ckpt, *args):
+    rc, out, _ = plan_here(ckpt, "--json", "-q", *args)
+    assert rc in (0, 1)
+    return rc, out
 
 
 def _env():
@@ -149,36 +174,41 @@ def test_sharded_index_gives_the_same_figures(tmp_path, ckpt):
     assert three["figures"] == one["figures"]
 
 
-def test_only_headers_are_read(tmp_path, monkeypatch):
-    header_bytes = write_checkpoint(tmp_path / "c", shards=2)
-    data_bytes = sum(p.stat().st_size for p in (tmp_path / "c").glob("*.safetensors")) - header_bytes
-    read = []
-    real_open = open
+def test_only_shapes_and_dtypes_are_read(tmp_path, monkeypatch):
+    """Through safetensors' lazy reader: keys and slices' shape/dtype, never a tensor."""
+    import safetensors
 
-    class Counting:
-        def __init__(self, fh):
-            self.fh = fh
+    write_checkpoint(tmp_path / "c", shards=2)
+    used = defaultdict(int)
+    real = safetensors.safe_open
 
-        def read(self, n=-1):
-            assert n >= 0, "a read to the end of a safetensors file"
-            data = self.fh.read(n)
-            read.append(len(data))
-            return data
+    class Spy:
+        def __init__(self, obj):
+            self.obj = obj
+
+        def __getattr__(self, name):
+            used[name] += 1
+            value = getattr(self.obj, name)
+            return (lambda *a, **k: _wrap(value(*a, **k))) if callable(value) else value
 
         def __enter__(self):
+            self.obj.__enter__()
             return self
 
         def __exit__(self, *exc):
-            self.fh.close()
+            return self.obj.__exit__(*exc)
 
-    def counting_open(path, mode="r", *a, **k):
-        fh = real_open(path, mode, *a, **k)
-        return Counting(fh) if str(path).endswith(".safetensors") else fh
+        def __getitem__(self, key):
+            raise AssertionError("tensor data sliced")
 
-    monkeypatch.setattr(planner, "open", counting_open, raising=False)
+    def _wrap(v):
+        return Spy(v) if type(v).__name__ == "PySafeSlice" else v
+
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: Spy(real(*a, **k)))
     ck = planner.load_checkpoint(str(tmp_path / "c"))
-    assert sum(read) == header_bytes == ck.header_bytes_read
-    assert data_bytes > 50 * header_bytes
+    assert len(ck.tensors) == len(tensor_specs())
+    assert set(used) == {"keys", "get_slice", "get_shape", "get_dtype"}
+    assert used["get_slice"] == used["get_shape"] == used["get_dtype"] == len(tensor_specs())
 
 
 def test_text_report(ckpt):
@@ -237,12 +267,12 @@ def test_bad_input_gets_one_clear_line(tmp_path, ckpt, case):
         write_checkpoint(d)
         f = d / "model.safetensors"
         os.truncate(f, f.stat().st_size - 1)
-        expect = "model.safetensors: truncated: tensor"
+        expect = "model.safetensors: not a readable safetensors file: "
     elif case == "not_safetensors":
         d.mkdir()
         (d / "config.json").write_text(json.dumps(CFG))
         (d / "model.safetensors").write_bytes(b"PK\x03\x04" + b"\0" * 100)
-        expect = "does not fit a 104-byte file"
+        expect = "model.safetensors: not a readable safetensors file: "
     elif case == "unknown_card":
         d = ckpt
         args = ["--card", "a100"]
@@ -259,11 +289,11 @@ def test_bad_input_gets_one_clear_line(tmp_path, ckpt, case):
 
 
 def test_nested_config_sections(tmp_path, ckpt):
-    """An omni config.json: the language model's fields under text_config, another tower beside it."""
+    """A non-Drama omni config.json: the language model's fields under text_config, another tower beside it."""
     d = tmp_path / "omni"
     write_checkpoint(d)
     tower = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2}
-    (d / "config.json").write_text(json.dumps({"model_type": "fish_omni", "audio_decoder_config": tower,
+    (d / "config.json").write_text(json.dumps({"model_type": "some_omni", "audio_decoder_config": tower,
                                                "text_config": CFG}))
     _, top = plan_json(ckpt, "--card", "910b1")
     _, nested = plan_json(d, "--card", "910b1")
@@ -299,3 +329,187 @@ def test_run_in_process_through_register(ckpt, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["card"] == {"name": "910B3", "memory_gib": 64.0, "mxfp8": False}
     assert lookup("910b4").memory_gib == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Drama 3 in its published format (fish_omni)
+# ---------------------------------------------------------------------------------------------
+
+BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+
+
+def fish_expected(cfg, tp, ep, seqs, mlen, batched=4096, ssm_bytes=None, dac_bytes=4):
+    """Per-card figures of a fish_omni checkpoint from the writer's tensor list, by role."""
+    t, a = cfg["text_config"], cfg["audio_decoder_config"]
+    by = defaultdict(int)
+    for _, dt, shape, role in fish_tensor_specs(cfg):
+        by[role] += math.prod(shape) * BYTES[dt]
+    H, E, I = t["hidden_size"], t["num_experts"], t["moe_intermediate_size"]
+    kv, hd = t["num_key_value_heads"], t["head_dim"]
+    kv_rank = max(1, kv // tp)
+    dense = by["shard"] / tp + by["kv"] * kv_rank / kv + by["rep"]
+    rows = 1 + cfg["semantic_end_token_id"] - cfg["semantic_start_token_id"]  # eos + codes 1..end
+    head = rows * H * 2
+    tower = by["tower"] + by["tower_eh"] / 2
+    codec = defaultdict(int)
+    for _, shape, role in CODEC_SPECS:
+        codec[role] += math.prod(shape)
+    dac_encoder = (codec["enc"] + codec["enc_g"] + codec["shared"]) * 4
+    dac = (codec["shared"] + codec["dec"]) * dac_bytes
+    C = a["num_codebooks"]
+    buffers = (seqs + 1) * mlen * C * 2 + batched * H * 2
+    frac = math.ceil(E / tp) / E if ep else 1 / tp
+    stored = (by["expert_w"] + by["expert_scale"]) * frac
+    bf16 = by["expert_w"] * 2 * frac
+    resident = dense + head + tower + dac_encoder + buffers + bf16
+    b = 128
+    scales = 2 * math.ceil(I / b) * math.ceil(H / b) + math.ceil(H / b) * math.ceil(I / b)
+    layer_stored = E * (3 * I * H + 4 * scales) * frac
+    gate_up = E * 2 * I * H * 2 * frac
+    n_full = t["layer_types"].count("full_attention")
+    n_lin = len(t["layer_types"]) - n_full
+    n_tower = a["shared_enrichment_layers"] + C - 1
+    kv_tower = n_tower * 2 * a["n_local_heads"] * a["head_dim"] * 2
+    kv_tok = n_full * 2 * kv_rank * hd * 2 + kv_tower
+    nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    dk, dv, K = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
+    state = n_lin * ((2 * nk * dk + nv * dv) // tp * (K - 1) * 2 + nv // tp * dv * dk * (ssm_bytes or 2))
+    return dict(dense=dense, head=head, tower=tower, dac_encoder=dac_encoder, model_buffers=buffers,
+                experts_stored=stored, experts_bf16=bf16, resident=resident, load_peak=resident,
+                load_peak_unpatched=resident + layer_stored + gate_up, kv_per_token=kv_tok,
+                kv_per_token_tower=kv_tower, state_per_seq=state, cache_needed=seqs * (mlen * kv_tok + state),
+                dac_weights=dac)
+
+
+@pytest.fixture(scope="module")
+def fish(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fish") / "drama3"
+    write_fish_checkpoint(d)
+    return d
+
+
+@pytest.mark.parametrize("tp,ep", [(1, False), (2, False), (2, True)])
+def test_fish_omni_figures_are_exact(fish, tp, ep):
+    args = ["--card", "910b1", "--tp", str(tp), "--max-num-seqs", "8", "--max-model-len", "1024"]
+    rc, out = fish_json(fish, *args, *(["--ep"] if ep else []))
+    assert out["model_type"] == "fish_omni" and out["config_section"] == "text_config"
+    exp = fish_expected(FISH_CFG, tp, ep, 8, 1024)
+    for key, value in exp.items():
+        assert out["figures"][key] == pytest.approx(value, rel=1e-12), key
+    assert out["figures"]["dac_budget"] == pytest.approx(0.1 * 64 * GIB)
+    assert out["codec_tensors"] == len(CODEC_SPECS)
+    assert out["tensors"] == len(fish_tensor_specs())
+    tp_note = [n for n in out["notes"] if "refuses tensor_parallel_size != 1" in n]
+    assert bool(tp_note) == (tp > 1)
+
+
+def test_fish_omni_config_class_and_json_read_the_same(fish):
+    """FishOmniConfig where vLLM-Omni 0.32.0rc1 is installed, the same keys as plain JSON elsewhere."""
+    from drama3_patches.versions import installed_version
+
+    card = lookup("910b1")
+    json_ck = planner.load_checkpoint(str(fish), use_class=False)
+    assert json_ck.config_source == "config.json read as JSON (fish_omni format)"
+    class_ck = planner.load_checkpoint(str(fish))
+    if installed_version("vllm-omni") == "0.32.0rc1":
+        assert class_ck.config_source == "FishOmniConfig (vllm-omni 0.32.0rc1)"
+    else:
+        assert class_ck.config_source == json_ck.config_source
+    assert planner.model_shape(class_ck) == planner.model_shape(json_ck)
+    opts = planner.Options(card=card, max_num_seqs=4, max_model_len=256)
+    assert planner.make_plan(class_ck, opts).figures == planner.make_plan(json_ck, opts).figures
+
+
+def test_fish_omni_dac_stage_on_its_card(fish, tmp_path):
+    _, f32 = fish_json(fish, "--card", "910b1", "-q")
+    _, f16 = fish_json(fish, "--card", "910b1", "--dac-dtype", "float16", "-q")
+    assert f16["figures"]["dac_weights"] * 2 == f32["figures"]["dac_weights"] == fish_expected(
+        FISH_CFG, 1, False, 64, 16384)["dac_weights"]
+    # Stage 0 and the DAC stage share a card: their shares may not pass 1.
+    rc, out = fish_json(fish, "--card", "910b1", "--gpu-memory-utilization", "0.9", "--dac-gpu-memory-utilization",
+                        "0.12", "-q")
+    assert rc == 1 and out["problems"] == ["stage 0 (0.9) and the DAC stage (0.12) ask for 1.02 of the card they share"]
+    # A card too small for the DAC decoder's weights in its share.
+    dac_gib = f32["figures"]["dac_weights"] / GIB
+    rc, out = fish_json(fish, "--card-gib", repr(dac_gib / 0.05 * 0.9), "--dac-gpu-memory-utilization", "0.05",
+                        "--gpu-memory-utilization", "0.5", "--reserve-gib", "0", "--max-num-seqs", "1",
+                        "--max-model-len", "16", "-q")
+    assert any(p.startswith("DAC stage weights") for p in out["problems"]), out["problems"]
+    # Without codec.pth the plan says what it left out.
+    d = tmp_path / "nocodec"
+    write_fish_checkpoint(d, codec=False)
+    _, text, _ = plan_here(d, "--card", "910b1", "-q")
+    assert f"  note: no codec.pth in {d}: the DAC stage and stage 0's reference encoder are not counted" in text.splitlines()
+
+
+def test_fish_omni_deploy_profile_settings(fish):
+    _, out = fish_json(fish, "--card", "910b1", "--deploy", "910b-tp2-ep", "-q")
+    assert (out["tp"], out["ep"], out["max_num_seqs"], out["max_model_len"]) == (2, True, 64, 8192)
+    assert out["gpu_memory_utilization"] == 0.8 and out["mamba_ssm_cache_dtype"] == "float32"
+    exp = fish_expected(FISH_CFG, 2, True, 64, 8192, ssm_bytes=4)
+    assert out["figures"]["state_per_seq"] == exp["state_per_seq"]
+    assert out["figures"]["dac_budget"] == pytest.approx(0.12 * 64 * GIB)
+    _, over = fish_json(fish, "--card", "910b1", "--deploy", "910b-tp2-ep", "--max-model-len", "512", "-q")
+    assert over["max_model_len"] == 512 and over["tp"] == 2  # an option wins over the profile
+    rc, _, err = plan_here(fish, "--card", "910b1", "--deploy", "nope")
+    assert rc == 2 and err == "drama3-patches plan: --deploy nope: neither a profile (910b-tp2-ep, mxfp8-1card) nor a file\n"
+
+
+def test_fish_omni_unexpected_key_is_one_line(tmp_path):
+    d = tmp_path / "odd"
+    write_fish_checkpoint(d, codec=False)
+    write_safetensors(d / "extra.safetensors", [("vision.proj.weight", "BF16", (4, 4))])
+    rc, _, err = plan_here(d, "--card", "910b1", "-q")
+    assert rc == 2
+    assert err.strip() == ("drama3-patches plan: extra.safetensors: tensor 'vision.proj.weight' is not a "
+                                "fish_omni weight (the published model refuses unexpected checkpoint keys)")
+
+
+def test_progress_goes_to_stderr_and_quiet_silences_it(tmp_path):
+    d = tmp_path / "sharded"
+    write_fish_checkpoint(d, shards=2)
+    r = _cli(str(d), "--card", "910b1", "--json")
+    assert r.returncode == 0, r.stderr
+    json.loads(r.stdout)  # standard output stays the JSON document
+    lines = r.stderr.splitlines()
+    assert "drama3-patches plan: reading tensor shapes of model-00001-of-00002.safetensors (1/2)" in lines
+    assert "drama3-patches plan: reading codec.pth (DAC codec) tensor shapes through torch.load(mmap=True)" in lines
+    assert lines[-1].startswith(f"drama3-patches plan: read {len(fish_tensor_specs())} tensors from 2 files in ")
+    r = _cli(str(d), "--card", "910b1", "--json", "--quiet")
+    assert r.returncode == 0 and r.stderr == ""
+
+
+@pytest.fixture(scope="module")
+def drama3_size(tmp_path_factory):
+    """The published class's shape at full size (sparse files: headers written, data never touched)."""
+    d = tmp_path_factory.mktemp("drama3") / "published"
+    write_fish_checkpoint(d, DRAMA3_CFG, shards=4, sparse=True)
+    if sum(p.stat().st_blocks for p in d.glob("*.safetensors")) * 512 > 1 << 30:
+        pytest.skip("this file system does not keep sparse files sparse")
+    return d
+
+
+def test_published_shape_tp1_on_910b1_is_refused(drama3_size):
+    rc, out = fish_json(drama3_size, "--card", "910b1", "--tp", "1", "-q")
+    e1 = fish_expected(DRAMA3_CFG, 1, False, 64, 16384)
+    assert rc == 1 and out["fits"] is False
+    assert out["figures"]["load_peak"] == pytest.approx(e1["load_peak"], rel=1e-12)
+    assert out["figures"]["load_peak"] > 0.9 * 64 * GIB
+    assert out["problems"][0].startswith("load peak ")
+
+
+def test_published_shape_tp2_ep_fits_the_910b_profile(drama3_size):
+    """TP2 + EP (the 910b-tp2-ep profile) holds the weights; the cache for 64 full 8192-token
+    sequences does not, and the plan names the max_num_seqs that does."""
+    rc, out = fish_json(drama3_size, "--card", "910b1", "--deploy", "910b-tp2-ep", "-q")
+    e = fish_expected(DRAMA3_CFG, 2, True, 64, 8192, ssm_bytes=4)
+    f = out["figures"]
+    assert f["load_peak"] == pytest.approx(e["load_peak"], rel=1e-12) and f["load_peak"] < 0.8 * 64 * GIB
+    assert f["cache_needed"] == e["cache_needed"]
+    left = 0.8 * 64 * GIB - e["resident"] - 2 * GIB
+    per_seq = 8192 * e["kv_per_token"] + e["state_per_seq"]
+    assert rc == 1 and out["problems"] == [
+        f"KV cache + linear-attention state for 64 x 8192 tokens needs {e['cache_needed'] / GIB:.2f} GiB, "
+        f"{left / GIB:.2f} GiB left (max_num_seqs {int(left // per_seq)} would fit)"]
+    rc, out = fish_json(drama3_size, "--card", "910b1", "--deploy", "910b-tp2-ep", "--max-model-len", "4096", "-q")
+    assert rc == 0 and out["fits"], out["problems"]
