@@ -53,6 +53,7 @@ functions here produce the same bits, faster and in bounded memory:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import MutableMapping, MutableSequence
@@ -63,6 +64,9 @@ import torch
 from drama3_patches.logger import init_logger
 
 logger = init_logger(__name__)
+
+# dequant_experts logs its progress at INFO every this many experts of one call.
+PROGRESS_EVERY = 64
 
 __all__ = [
     "BLOCK",
@@ -489,6 +493,11 @@ def dequant_experts(
     chosen = resolve_kernel(kernel)
     workers = _Workers(threads, chunk_rows or default_chunk_rows(rows, width, transposed, threads), width, chosen)
     staging = None if on_cpu else torch.empty(rows, width, dtype=torch.bfloat16)
+    # Progress at INFO: a line every PROGRESS_EVERY experts of a long call, and one per call
+    # (a layer's w13 or w2, or a TP shard of w13). Experts take milliseconds each, so the clock
+    # reads and the level check per expert cost nothing measurable.
+    started = time.perf_counter()
+    say = logger.isEnabledFor(logging.INFO)
     with workers:
         for e in range(num_experts):
             if adaptive is not None:
@@ -498,6 +507,15 @@ def dequant_experts(
                 adaptive.record(workers.active, seconds)
             if on_expert_done is not None:
                 on_expert_done(e)
+            if say and (e + 1) % PROGRESS_EVERY == 0 and e + 1 < num_experts:
+                logger.info("%s: %d/%d experts expanded to bfloat16, %.2f s", name, e + 1, num_experts,
+                            time.perf_counter() - started)
+    if say:
+        how = (f"{threads} or 1 worker(s), chosen per expert by measured time" if adaptive is not None
+               else f"{threads} worker(s)")
+        logger.info("%s: expanded %d experts to bfloat16 (%d x %d each, %.1f MiB in all) in %.2f s; kernel %s, %s%s",
+                    name, num_experts, rows, width, out.numel() * 2 / 2 ** 20, time.perf_counter() - started, chosen,
+                    how, "" if on_cpu else f", copied to {out.device}")
     return out
 
 
