@@ -429,6 +429,28 @@ def test_wer_and_sim_end_to_end_through_plug_ins(tmp_path):
     assert re.search(r"concurrency 2 scoring: 3/3 done, 3 completed, 0 failed", r.stderr), r.stderr
 
 
+def test_scoring_reports_each_clip_it_cannot_score(tmp_path):
+    pytest.importorskip("numpy")
+    pytest.importorskip("jiwer")
+    (tmp_path / "r.wav").write_bytes(ref_wav(3))
+    lines = {"a": sb.MetaLine("a", "p", str(tmp_path / "missing.wav"), "hello"),
+             "b": sb.MetaLine("b", "p", str(tmp_path / "r.wav"), "hi"),
+             "c": sb.MetaLine("c", "p", str(tmp_path / "r.wav"), "fine")}
+    done = {"ok": True, "sample_rate": 16000, "ttfa": 0.1, "elapsed": 0.2, "audio_s": 0.1}
+    level = sb.Level(1, [sb.Result("a", audio=spoken_bytes("hello", 3200), **done),
+                         sb.Result("b", bits=32, audio=b"\0" * 6400, **done),
+                         sb.Result("c", audio=spoken_bytes("fine", 3200), **done),
+                         sb.Result("d", ok=False, error="HTTP 500")], 1.0)
+    sb.score_level(level, lines, transcribe, sim.Scorer(embed))
+    assert [(u.utt, u.hypothesis) for u in level.wer.utterances] == [("a", "hello"), ("c", "fine")]
+    assert level.wer.skipped == [{"utt": "b", "reason": "32-bit samples: only 16-bit PCM is scored"}]
+    assert [u["utt"] for u in level.sim.utterances] == ["c"]
+    reasons = {x["utt"]: x["reason"] for x in level.sim.skipped}
+    assert set(reasons) == {"a", "b"} and reasons["a"].startswith("FileNotFoundError")
+    result = level.result()
+    assert (result["wer"], result["wer_scored"], result["sim_scored"]) == (0.0, 2, 1)
+
+
 def test_whisper_method_from_the_command_line(tmp_path):
     pytest.importorskip("whisper_normalizer")
     meta = write_meta(tmp_path, ["It's twenty five past."], ["audio=0.5 heard=it_is_25_past"])
@@ -443,8 +465,64 @@ def test_whisper_method_from_the_command_line(tmp_path):
                                                                                     0.0)
 
 
-def test_sim_through_a_local_transformers_wavlm_xvector(tmp_path):
+def _tiny_whisper(folder: Path):
+    """A random two-layer Whisper with a byte-level tokenizer and Whisper's special tokens, saved as a hub folder."""
+    tf = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    folder.mkdir()
+    chars = bytes_to_unicode()
+    (folder / "vocab.json").write_text(json.dumps({chars[b]: b for b in range(256)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    end = "<|endoftext|>"
+    tok = tf.WhisperTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), unk_token=end, bos_token=end,
+                              eos_token=end, pad_token=end)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>", "<|notimestamps|>"]})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (end, "<|startoftranscript|>", "<|en|>", "<|translate|>",
+                                                     "<|transcribe|>", "<|notimestamps|>")}
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=len(tok), num_mel_bins=80, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=1500,
+        max_target_positions=64, decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=ids[end],
+        pad_token_id=ids[end], bos_token_id=ids[end]))
+    model.generation_config = tf.GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=ids[end], pad_token_id=ids[end],
+        max_length=12, is_multilingual=True, lang_to_id={"<|en|>": ids["<|en|>"]},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"],
+        # Random weights: keep the special tokens out of the text so that it decodes to something.
+        suppress_tokens=[i for t, i in ids.items() if t != end], begin_suppress_tokens=[ids[end]])
+    model.save_pretrained(folder)
+    processor = tf.WhisperProcessor(feature_extractor=tf.WhisperFeatureExtractor(feature_size=80), tokenizer=tok)
+    processor.save_pretrained(folder)
+    return model.eval(), processor
+
+
+def test_whisper_through_a_local_transformers_folder(tmp_path, monkeypatch):
+    """The transformers path on a tiny random Whisper saved to disk: loaded offline, English transcription forced."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    model, processor = _tiny_whisper(tmp_path / "whisper")
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    fn, what = wer.load_transcriber(str(tmp_path / "whisper"))
+    assert what == f"transformers Whisper {tmp_path / 'whisper'}"
+    assert os.environ["HF_HUB_OFFLINE"] == os.environ["TRANSFORMERS_OFFLINE"] == "1"
+    clip = np.sin(2 * np.pi * 300 * np.arange(16000) / 16000).astype(np.float32)
+    feats = processor(clip, sampling_rate=16000, return_tensors="pt").input_features
+    with torch.no_grad():
+        out = model.generate(feats, language="english", task="transcribe")
+    text = processor.batch_decode(out, skip_special_tokens=True)[0]
+    assert text and fn(clip) == text  # the folder on disk, loaded offline, is the model that was saved
+
+
+def test_sim_through_a_local_transformers_wavlm_xvector(tmp_path, monkeypatch):
     """The transformers path end to end on a tiny random WavLMForXVector saved to disk (no hub)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
     torch = pytest.importorskip("torch")
     np = pytest.importorskip("numpy")
     tf = pytest.importorskip("transformers")

@@ -138,6 +138,7 @@ class Result:
     end: float = 0.0
     sample_rate: int | None = None
     channels: int = 1
+    bits: int = 16
     audio: bytes = field(default=b"", repr=False)
 
     @property
@@ -271,6 +272,7 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
         res.audio_s = counter.seconds
         res.sample_rate = counter.rate
         res.channels = counter.channels
+        res.bits = counter.bits
         if s.keep_audio:
             res.audio = b"".join(counter.chunks)
     return res
@@ -380,6 +382,13 @@ def score_level(level: Level, lines: dict[str, MetaLine], transcribe=None, sim_s
 
     pairs, asr_failed, sims = [], [], SimScore()
     for r in level.ok:
+        if r.bits != 16:  # the scorers read 16-bit PCM, what vLLM-Omni streams
+            reason = {"utt": r.utt, "reason": f"{r.bits}-bit samples: only 16-bit PCM is scored"}
+            asr_failed.append(reason)
+            sims.skipped.append(reason)
+            if progress is not None:
+                progress.tick(False)
+            continue
         audio = to_model_rate(r.audio, r.sample_rate, r.channels)
         line = lines[r.utt]
         ok = True
