@@ -65,9 +65,9 @@ class PatchContext:
     def original(self, target: str) -> Any:
         """The object now bound at ``target``, as stored.
 
-        For a class attribute defined on the class itself this is the raw
-        ``__dict__`` entry (a ``classmethod``/``staticmethod``/``property``
-        object stays one), so a replacement can keep the same kind.
+        For a class attribute this is the raw ``__dict__`` entry, found along
+        the MRO when the class inherits it (a ``classmethod``/``staticmethod``/
+        ``property`` object stays one), so a replacement can keep the same kind.
         """
         if target not in self.targets:
             raise KeyError(f"{target!r} is not among this call's targets {self.targets}")

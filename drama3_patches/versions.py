@@ -6,25 +6,17 @@ import functools
 from importlib import metadata
 
 
-def _spellings(dist: str) -> list[str]:
-    # vllm-ascend is published both as `vllm-ascend` and `vllm_ascend` (wheel
-    # dist-info folders normalise to underscores, some builds keep dashes).
-    names = [dist]
-    for alt in (dist.replace("_", "-"), dist.replace("-", "_"), dist.replace("-", ".")):
-        if alt not in names:
-            names.append(alt)
-    return names
-
-
 @functools.lru_cache(maxsize=None)
 def installed_version(dist: str) -> str | None:
-    """Version string of ``dist`` as installed, or None when it is not installed."""
-    for name in _spellings(dist):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    """Version string of ``dist`` as installed, or None when it is not installed.
+
+    Any spelling works: importlib.metadata normalises the name (``vllm-ascend``, ``vllm_ascend``,
+    ``vllm.ascend`` and ``VLLM-Ascend`` find the same ``vllm_ascend-*.dist-info``).
+    """
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def clear_cache() -> None:

@@ -4,7 +4,7 @@ Resolution follows ``wrapt.resolve_path``: on a class the raw ``__dict__`` entry
 is read along the MRO, so an inherited ``classmethod``/``staticmethod``/``property``
 reaches the patch as that descriptor and its replacement keeps the kind (a
 ``getattr`` would hand over a bound method or a bare function).  wrapt is imported
-here only, and this module only once a target module has been imported.
+at the first resolution, never at interpreter start.
 
 Which objects are ours is kept in an identity registry.  A plain replacement
 also carries ``__drama3_patch__``; a wrapt proxy carries ``_self_drama3_patch``
@@ -43,7 +43,7 @@ class Resolved:
 
 def resolve(target: Target) -> Resolved:
     """Where ``target`` lives in the imported code; TargetAbsent naming what is missing."""
-    from wrapt import PathResolutionError, resolve_path
+    from wrapt import resolve_path
 
     module = sys.modules.get(target.module)
     if module is None:
@@ -53,12 +53,12 @@ def resolve(target: Target) -> Resolved:
     if path:
         try:
             _, _, owner = resolve_path(module, ".".join(path))
-        except PathResolutionError:
+        except AttributeError:  # wrapt 2 raises its PathResolutionError, an AttributeError
             raise TargetAbsent(f"{target.module} has no attribute {'.'.join(path)!r}") from None
     try:
         # Passing the object (not its name) keeps resolve_path from importing anything.
         _, _, raw = resolve_path(owner, attr)
-    except PathResolutionError:
+    except AttributeError:
         raise TargetAbsent(f"{target.spec} does not exist in the installed code") from None
     had_own = attr in getattr(owner, "__dict__", {})
     return Resolved(owner, attr, raw, had_own)
