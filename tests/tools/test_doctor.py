@@ -311,3 +311,24 @@ def test_command_on_this_host():
 def test_doctor_ready_on_an_ascend_host():
     rc, text = _report(doctor.run_checks())
     assert rc == 0, text
+
+
+def test_noxfile_runs_the_pairs_doctor_checks(monkeypatch):
+    """One table: the nox sessions are the pairs doctor calls tested."""
+    import importlib.util
+    import types
+
+    from drama3_patches.tools import pairings
+
+    nox = types.ModuleType("nox")
+    nox.options = types.SimpleNamespace()
+    nox.session = lambda f: f
+    nox.parametrize = lambda *a, **k: (lambda f: f)
+    monkeypatch.setitem(sys.modules, "nox", nox)
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", REPO / "noxfile.py")
+    noxfile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noxfile)
+    assert noxfile.PAIRS == [(p.vllm, p.vllm_omni) for p in pairings.PAIRINGS] == [
+        ("0.31.0", "0.31.0rc1"), ("0.32.0", "0.32.0rc1")]
+    assert noxfile.TORCH == "torch==2.13.0"
+    assert pairings.for_omni("0.30.0") is None and pairings.for_vllm("0.32.3").vllm_omni == "0.32.0rc1"
