@@ -513,3 +513,14 @@ def test_published_shape_tp2_ep_fits_the_910b_profile(drama3_size):
         f"{left / GIB:.2f} GiB left (max_num_seqs {int(left // per_seq)} would fit)"]
     rc, out = fish_json(drama3_size, "--card", "910b1", "--deploy", "910b-tp2-ep", "--max-model-len", "4096", "-q")
     assert rc == 0 and out["fits"], out["problems"]
+
+
+def test_fish_omni_card_between_tp1_and_tp2_peaks_says_no_then_tp2_ep_fits(fish):
+    e1, e2 = fish_expected(FISH_CFG, 1, False, 1, 16), fish_expected(FISH_CFG, 2, True, 1, 16)
+    card_gib = (e1["load_peak"] + e2["load_peak"]) / 2 / 0.9 / GIB
+    args = ["--card-gib", repr(card_gib), "--reserve-gib", "0", "--max-num-seqs", "1", "--max-model-len", "16"]
+    rc, out = fish_json(fish, *args)
+    assert rc == 1 and out["problems"][0].startswith("load peak ")
+    assert out["smallest_fit"] == [{"tp": 2, "ep": False}, {"tp": 2, "ep": True}]
+    rc, text, _ = plan_here(fish, *args, "--tp", "2", "--ep", "-q")
+    assert rc == 0 and "verdict: FITS" in text and "smallest that fits: TP 2 (without EP or with EP)" in text
