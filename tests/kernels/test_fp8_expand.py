@@ -6,9 +6,9 @@ import weakref
 
 import pytest
 
-from support.tiers import needs_torch
+from support.tiers import TORCH_ABSENT
 
-torch = needs_torch()
+torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels import fp8 as k8  # noqa: E402
 from drama3_patches.kernels import fp8_native  # noqa: E402
 from support import fake_npu  # noqa: E402

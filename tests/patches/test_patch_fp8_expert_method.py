@@ -13,9 +13,9 @@ from support.replicas import (
     prepend_profiles,
 )
 from support.subproc import call
-from support.tiers import needs_torch
+from support.tiers import TORCH_ABSENT
 
-torch = needs_torch()
+torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels.fp8 import reference_dequant  # noqa: E402
 from drama3_patches.patchlib import NotNeeded, PatchContext  # noqa: E402
 from support import fake_npu  # noqa: E402

@@ -23,9 +23,9 @@ import pytest
 
 from support.logs import captured
 from support.replicas import apply_on_npu, needs_fish_omni
-from support.tiers import needs_torch
+from support.tiers import TORCH_ABSENT
 
-torch = needs_torch()
+torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.patches import gdn_backbone_ascend as gba  # noqa: E402
 from drama3_patches.patchlib import NotNeeded, PatchContext  # noqa: E402
 from support import fake_npu  # noqa: E402

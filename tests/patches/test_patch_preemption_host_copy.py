@@ -33,9 +33,9 @@ import pytest
 
 from support.replicas import ASCEND_HOST_ENV, apply_checked, apply_on_npu, needs_fish_omni
 from support.subproc import call
-from support.tiers import needs_torch
+from support.tiers import TORCH_ABSENT
 
-torch = needs_torch()
+torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 import numpy as np  # noqa: E402  (a torch dependency)
 
 from drama3_patches.patches import preemption_host_copy as php  # noqa: E402

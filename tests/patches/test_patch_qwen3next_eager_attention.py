@@ -17,9 +17,9 @@ import pytest
 from support.logs import captured
 from support.replicas import ASCEND_HOST_ENV, ASCEND_MAIN, prepend_profiles
 from support.subproc import call
-from support.tiers import needs_torch
+from support.tiers import TORCH_ABSENT
 
-torch = needs_torch()
+torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 
 pytestmark = pytest.mark.vllm
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 
-import pytest
-
 NPU_RUN = "run `pytest -m npu` on an Ascend host"
 NPU_ABSENT = f"no Ascend NPU here: torch_npu is not installed ({NPU_RUN})"
 VLLM_ABSENT = "vllm is not installed in this environment (the nox sessions install 0.31.0 and 0.32.0)"
+#: ``torch = pytest.importorskip("torch", reason=TORCH_ABSENT)`` at module level, before anything
+#: that imports torch: without torch the module is skipped, at its own line, instead of failing
+#: collection.
 TORCH_ABSENT = ("torch is not installed in this environment: this module runs on CPU torch "
                 "(the nox sessions install torch 2.13.0); without torch there is no torch_npu either")
 
@@ -56,8 +57,3 @@ def npu_problem() -> tuple[str, str] | None:
 
 def vllm_problem() -> str | None:
     return VLLM_ABSENT if importlib.util.find_spec("vllm") is None else None
-
-
-def needs_torch() -> None:
-    """Module level, before ``import torch``: skip the whole module, with the reason, without torch."""
-    pytest.importorskip("torch", reason=TORCH_ABSENT)

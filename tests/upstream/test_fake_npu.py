@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from support.subproc import TESTS, run_pytest
-from support.tiers import needs_torch
+from support.tiers import TORCH_ABSENT
 
-torch = needs_torch()
+torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from support import fake_npu  # noqa: E402  (imports torch)
 
 
