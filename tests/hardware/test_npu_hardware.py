@@ -19,7 +19,7 @@ from support.subproc import ROOT, result_of, run_python
 
 pytestmark = pytest.mark.npu
 
-SHIPPED_DEPLOY = ROOT / "drama3_patches" / "deploy" / "drama3_910b_tp2_ep.yaml"
+SHIPPED_DEPLOY = ROOT / "drama3_patches/tools/deploy_config/configs/drama3_910b_tp2_ep.yaml"
 DEPLOY = os.environ.get("DRAMA3_NPU_DEPLOY") or str(SHIPPED_DEPLOY)
 needs_model = pytest.mark.skipif(not os.environ.get("DRAMA3_NPU_MODEL"),
                                  reason="set DRAMA3_NPU_MODEL to the Drama 3 checkpoint")

@@ -3,8 +3,8 @@
 Everything vllm-omni is the published code: the deploy loader (``vllm_omni.config``: YAML ->
 ``load_deploy_config`` -> ``merge_pipeline_deploy`` and ``VllmOmniConfig.from_pipeline_config``)
 and the NPU workers. Stand-ins only for what cannot import here: vllm-ascend (each profile under
-tests/replicas/) and vllm-omni's NPU model runner modules (tests/support/replicas.py). One child
-per vllm-ascend profile loads the shipped deploy YAMLs on npu, then builds NPU workers for a V2 AR
+tests/replicas/) and vllm-omni's NPU model runner modules (tests/support/replicas.py). One fresh
+interpreter per vllm-ascend profile loads the shipped deploy YAMLs on npu, then builds NPU workers for a V2 AR
 stage (0) and a V1 DAC stage (1) with vLLM's real VllmConfig, with the process-wide default
 (VLLM_USE_V2_MODEL_RUNNER, read by vLLM-Ascend's property) set against each stage; then the same
 with the patch removed, to show what it changes.
@@ -12,11 +12,17 @@ with the patch removed, to show what it changes.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
-from support.subproc import ROOT, result_of, run_python
+from support.logs import captured
+from support.replicas import ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths
+from support.subproc import ROOT, call
 
 pytestmark = pytest.mark.vllm
 
@@ -26,120 +32,102 @@ TARGETS = [
     "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device",
     "vllm_omni.platforms.npu.worker.npu_generation_worker:NPUGenerationWorker.__init__",
 ]
-PROFILES = [ROOT / "drama3_patches" / "deploy" / name for name in ("drama3_910b_tp2_ep.yaml", "drama3_mxfp8_1card.yaml")]
+PROFILES = [ROOT / "drama3_patches/tools/deploy_config/configs" / name for name in ("drama3_910b_tp2_ep.yaml", "drama3_mxfp8_1card.yaml")]
 
-# What a child runs after npu_worker_prelude(): the platform vllm-omni resolves is made npu (its
-# NPU platform class needs vllm-ascend's), and Drama 3's two-stage topology is at hand.
-SETUP = r"""
-import json, logging, os, sys
-from pathlib import Path
-from types import SimpleNamespace
+# The children below run in fresh interpreters started with the engine enabled: the start-up hook
+# applies runner-selection as vllm-omni's modules import, the path a deployment takes.
 
-import drama3_patches
-from drama3_patches._bootstrap import installed_finder
 
-import vllm_omni
-import vllm_omni.platforms
-vllm_omni.platforms.current_omni_platform = SimpleNamespace(device_name="npu")
-
-import vllm_omni.config.omni_config as oc
-import vllm_omni.config.stage_config as sc
-from vllm_omni.config import load_deploy_config, merge_pipeline_deploy
-
-try:
-    from vllm_omni.model_executor.models.fish_omni.pipeline import FISH_OMNI_PIPELINE as PIPELINE
-except ImportError:  # 0.31.0rc1 has no fish_omni: the same topology, built here
-    PIPELINE = sc.PipelineConfig(model_type="fish_omni", model_arch="FishOmniForConditionalGeneration", stages=(
-        sc.StagePipelineConfig(stage_id=0, model_stage="fish_omni", execution_type=sc.StageExecutionType.LLM_AR,
-                               owns_tokenizer=True, engine_output_type="latent"),
-        sc.StagePipelineConfig(stage_id=1, model_stage="dac_decoder", model_arch="FishSpeechDACDecoder",
-                               execution_type=sc.StageExecutionType.LLM_GENERATION, input_sources=(0,),
-                               final_output=True, final_output_type="audio", engine_output_type="audio"),
-    ))
-SHIPPED = Path(vllm_omni.__file__).parent / "deploy" / "fish_omni.yaml"
-YAMLS = ([str(SHIPPED)] if SHIPPED.exists() else []) + sys.argv[1:]
-
-def err(fn):
+def _err(fn):
     try:
         return fn()
     except Exception as exc:
         return type(exc).__name__ + ": " + str(exc)
 
-def mine(key="target_states"):
+
+def _mine(key="target_states"):
+    import drama3_patches
+
     st = {p["id"]: p for p in drama3_patches.status()["patches"]}["runner-selection"]
     return st if key is None else st[key]
-"""
-
-CHILD = SETUP + r"""
-if installed_finder() is None:  # no start-up hook in this environment: patch what is imported
-    drama3_patches.apply()
-from vllm.config import DeviceConfig, VllmConfig
-from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
-from vllm_omni.platforms.npu.worker.npu_generation_worker import NPUGenerationWorker
-from vllm_omni.worker_v2.omni_ar_model_runner import OmniARModelRunner
-from vllm_ascend.worker.v2.model_runner import NPUModelRunner as AscendV2
-import vllm_ascend.worker.v2.utils as cuda_wrapper_module
-
-messages = []
-class Grab(logging.Handler):
-    def emit(self, record):
-        messages.append(record.getMessage())
-logging.getLogger("vllm.drama3_patches").addHandler(Grab())
-logging.getLogger("vllm.drama3_patches").setLevel(logging.INFO)
-
-out = {"yamls": [Path(p).name for p in YAMLS]}
-st = mine(None)
-out.update(state=st["state"], reason=st["reason"], targets=st["targets"],
-           worker_files={k: sys.modules[k].__file__ for k in (
-               "vllm_omni.platforms.npu.worker.npu_ar_worker", "vllm_omni.platforms.npu.worker.base",
-               "vllm_omni.platforms.npu.worker.npu_ar_model_runner", "vllm_omni.config.stage_config")})
 
 
-def stage_runners(path):
-    r = {}
+def _setup(yamls: list) -> SimpleNamespace:
+    """What every child does first: vllm-omni's NPU workers importable (runner stand-ins), the
+    platform vllm-omni resolves made npu (its NPU platform class needs vLLM-Ascend's), Drama 3's
+    two-stage topology at hand."""
+    enter_npu_workers()
+    import vllm_omni
+    import vllm_omni.config.omni_config as oc
+    import vllm_omni.config.stage_config as sc
+    import vllm_omni.platforms
+
+    vllm_omni.platforms.current_omni_platform = SimpleNamespace(device_name="npu")
+    try:
+        from vllm_omni.model_executor.models.fish_omni.pipeline import FISH_OMNI_PIPELINE as pipeline
+    except ImportError:  # 0.31.0rc1 has no fish_omni: the same topology, built here
+        pipeline = sc.PipelineConfig(model_type="fish_omni", model_arch="FishOmniForConditionalGeneration", stages=(
+            sc.StagePipelineConfig(stage_id=0, model_stage="fish_omni", execution_type=sc.StageExecutionType.LLM_AR,
+                                   owns_tokenizer=True, engine_output_type="latent"),
+            sc.StagePipelineConfig(stage_id=1, model_stage="dac_decoder", model_arch="FishSpeechDACDecoder",
+                                   execution_type=sc.StageExecutionType.LLM_GENERATION, input_sources=(0,),
+                                   final_output=True, final_output_type="audio", engine_output_type="audio"),
+        ))
+    shipped = Path(vllm_omni.__file__).parent / "deploy" / "fish_omni.yaml"
+    return SimpleNamespace(oc=oc, sc=sc, pipeline=pipeline,
+                           yamls=([str(shipped)] if shipped.exists() else []) + list(yamls))
+
+
+def _stage_runners(ns, path):
+    from vllm_omni.config import load_deploy_config, merge_pipeline_deploy
+
+    sc, r = ns.sc, {}
     d = sc._apply_platform_overrides(load_deploy_config(path), "npu")
     r["direct"] = [d.model_runner, {s.stage_id: sc.resolve_stage_model_runner(d, s) for s in d.stages}]
     # The load path vLLM-Omni serves with: platform=None -> the current (npu) platform.
-    legacy = merge_pipeline_deploy(PIPELINE, load_deploy_config(path))
+    legacy = merge_pipeline_deploy(ns.pipeline, load_deploy_config(path))
     r["legacy"] = {s.stage_id: [s.yaml_engine_args["use_v2_model_runner"], s.yaml_runtime.get("devices"),
                                 s.yaml_engine_args.get("block_size")] for s in legacy}
-    typed = oc.VllmOmniConfig.from_pipeline_config(PIPELINE, deploy_config_path=path)
+    typed = ns.oc.VllmOmniConfig.from_pipeline_config(ns.pipeline, deploy_config_path=path)
     r["typed"] = {s.stage_id: s.model_config.use_v2_model_runner for s in typed.stage_configs}
-    r["xpu"] = err(lambda: sc._apply_platform_overrides(load_deploy_config(path), "xpu"))
-    r["cuda"] = err(lambda: sc._apply_platform_overrides(load_deploy_config(path), "cuda").model_runner)
+    r["xpu"] = _err(lambda: sc._apply_platform_overrides(load_deploy_config(path), "xpu"))
+    r["cuda"] = _err(lambda: sc._apply_platform_overrides(load_deploy_config(path), "cuda").model_runner)
     return r
 
 
-def deploy_checks():
-    r = {"yamls": {Path(p).name: err(lambda: stage_runners(p)) for p in YAMLS}}
-    r["npu_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2"), "npu").model_runner)
-    r["default_platform_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2")).model_runner)
+def _deploy_checks(ns):
+    sc = ns.sc
+    r = {"yamls": {Path(p).name: _err(lambda: _stage_runners(ns, p)) for p in ns.yamls}}
+    r["npu_v2"] = _err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2"), "npu").model_runner)
+    r["default_platform_v2"] = _err(lambda: sc._apply_platform_overrides(sc.DeployConfig(model_runner="v2")).model_runner)
     d = sc.DeployConfig(
         model_runner="v1",
         stages=[sc.StageDeployConfig(stage_id=0), sc.StageDeployConfig(stage_id=1)],
         platforms={"npu": {"model_runner": "v2", "stages": [{"stage_id": 0, "devices": "0,1", "max_num_seqs": 64}]}},
     )
     before = json.dumps(d.platforms, sort_keys=True)
-    res = err(lambda: sc._apply_platform_overrides(d, "npu"))
+    res = _err(lambda: sc._apply_platform_overrides(d, "npu"))
     r["section_v2"] = res if isinstance(res, str) else [res.model_runner, res.stages[0].devices, res.stages[0].max_num_seqs]
     r["platforms_unchanged"] = json.dumps(d.platforms, sort_keys=True) == before
     # platforms.npu.model_runner: v1 falls back for every stage, stage-level v2 included.
     fb = sc.DeployConfig(stages=[sc.StageDeployConfig(stage_id=0, model_runner="v2")],
                          platforms={"npu": {"model_runner": "v1"}})
-    res = err(lambda: sc._apply_platform_overrides(fb, "npu"))
+    res = _err(lambda: sc._apply_platform_overrides(fb, "npu"))
     r["section_v1_fallback"] = res if isinstance(res, str) else [res.model_runner, res.stages[0].model_runner]
-    r["section_bad"] = err(lambda: sc._apply_platform_overrides(
+    r["section_bad"] = _err(lambda: sc._apply_platform_overrides(
         sc.DeployConfig(platforms={"npu": {"model_runner": "v3"}}), "npu"))
-    r["stage_bad"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(
+    r["stage_bad"] = _err(lambda: sc._apply_platform_overrides(sc.DeployConfig(
         stages=[sc.StageDeployConfig(stage_id=1)],
         platforms={"npu": {"stages": [{"stage_id": 1, "model_runner": "v3"}]}}), "npu"))
-    r["xpu_stage_v2"] = err(lambda: sc._apply_platform_overrides(sc.DeployConfig(
+    r["xpu_stage_v2"] = _err(lambda: sc._apply_platform_overrides(sc.DeployConfig(
         stages=[sc.StageDeployConfig(stage_id=0, model_runner="v2")]), "xpu"))
-    r["alias_same"] = oc._apply_platform_overrides is sc._apply_platform_overrides
+    r["alias_same"] = ns.oc._apply_platform_overrides is sc._apply_platform_overrides
     return r
 
 
-def config(stage_id, v2):
+def _config(stage_id, v2):
+    from vllm.config import DeviceConfig, VllmConfig
+
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
     mc = SimpleNamespace(stage_id=stage_id, model_stage=("fish_omni" if stage_id == 0 else "dac_decoder"))
     if v2 is not None:
@@ -148,24 +136,28 @@ def config(stage_id, v2):
     return cfg
 
 
-def worker(cls, stage_id, v2, process_default):
+def _worker(cls, stage_id, v2, process_default):
+    import vllm_ascend.worker.v2.utils as cuda_wrapper_module
+    from vllm_ascend.worker.v2.model_runner import NPUModelRunner as AscendV2
+    from vllm_omni.worker_v2.omni_ar_model_runner import OmniARModelRunner
+
     # vLLM validates the config with its own property (V2 without Triton is an error): build it
     # with the variable unset, then set the process-wide default the worker will read.
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    cfg = config(stage_id, v2)
+    cfg = _config(stage_id, v2)
     if process_default is not None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = process_default
     r = {}
-    messages.clear()
-    try:
-        w = cls(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1")
-        r["process_default"] = cfg.use_v2_model_runner
-        r["flag"] = w.use_v2_model_runner
-        entries = cuda_wrapper_module.entries
-        w.init_device()
-    except Exception as exc:
-        r["error"] = type(exc).__name__ + ": " + str(exc)
-        return r
+    with captured() as messages:
+        try:
+            w = cls(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1")
+            r["process_default"] = cfg.use_v2_model_runner
+            r["flag"] = w.use_v2_model_runner
+            entries = cuda_wrapper_module.entries
+            w.init_device()
+        except Exception as exc:
+            r["error"] = type(exc).__name__ + ": " + str(exc)
+            return r
     runner = w.model_runner
     r["runner"] = type(runner).__name__
     r["runner_module"] = type(runner).__module__
@@ -179,31 +171,49 @@ def worker(cls, stage_id, v2, process_default):
     return r
 
 
-def workers():
+def _workers():
+    from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
+    from vllm_omni.platforms.npu.worker.npu_generation_worker import NPUGenerationWorker
+
     return {
-        "ar_stage_v2_default_v1": worker(NPUARWorker, 0, True, None),
-        "ar_stage_v1_default_v2": worker(NPUARWorker, 0, False, "1"),
-        "ar_stage_unset_default_v2": worker(NPUARWorker, 0, None, "1"),
-        "gen_stage_v1_default_v2": worker(NPUGenerationWorker, 1, False, "1"),
-        "gen_stage_v2": worker(NPUGenerationWorker, 1, True, None),
+        "ar_stage_v2_default_v1": _worker(NPUARWorker, 0, True, None),
+        "ar_stage_v1_default_v2": _worker(NPUARWorker, 0, False, "1"),
+        "ar_stage_unset_default_v2": _worker(NPUARWorker, 0, None, "1"),
+        "gen_stage_v1_default_v2": _worker(NPUGenerationWorker, 1, False, "1"),
+        "gen_stage_v2": _worker(NPUGenerationWorker, 1, True, None),
     }
 
 
-out["patched"] = {"deploy": deploy_checks(), "workers": workers()}
-drama3_patches.unapply(["runner-selection"])
-out["unpatched"] = {"deploy": deploy_checks(), "workers": workers()}
-print("RESULT " + json.dumps(out))
-"""
+def selection_child(yamls: list) -> dict:
+    """One profile's child: the deploy files and workers patched, then with the patch removed."""
+    import drama3_patches
+    from drama3_patches._bootstrap import installed_finder
+
+    ns = _setup(yamls)
+    if installed_finder() is None:  # no start-up hook in this environment: patch what is imported
+        drama3_patches.apply()
+    import vllm_omni.platforms.npu.worker.npu_ar_worker  # noqa: F401
+
+    out = {"yamls": [Path(p).name for p in ns.yamls]}
+    st = _mine(None)
+    out.update(state=st["state"], reason=st["reason"], targets=st["targets"],
+               worker_files={k: sys.modules[k].__file__ for k in (
+                   "vllm_omni.platforms.npu.worker.npu_ar_worker", "vllm_omni.platforms.npu.worker.base",
+                   "vllm_omni.platforms.npu.worker.npu_ar_model_runner", "vllm_omni.config.stage_config")})
+    out["patched"] = {"deploy": _deploy_checks(ns), "workers": _workers()}
+    drama3_patches.unapply(["runner-selection"])
+    out["unpatched"] = {"deploy": _deploy_checks(ns), "workers": _workers()}
+    return out
 
 
-def _run(code: str, paths, args=(), **env) -> dict:
-    proc = run_python(npu_worker_prelude() + code, env=npu_env(**env), pythonpath=paths, args=[str(a) for a in args])
-    return result_of(proc)
+def _run(child, paths, args=(), **env) -> dict:
+    return call(child, *[[str(a) for a in arg] if isinstance(arg, list) else str(arg) for arg in args],
+                env=npu_env(**env), pythonpath=paths)
 
 
 @pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
 def result(request):
-    return request.param, _run(CHILD, profile_paths(request.param), PROFILES)
+    return request.param, _run(selection_child, profile_paths(request.param), [list(PROFILES)])
 
 
 def test_applied_with_its_targets_on_the_published_workers_and_loader(result):
@@ -316,36 +326,41 @@ class ShippedNPUOmniARModelRunner(OmniARModelRunner, NPUModelRunner):
     pass
 '''
 
-# Started with DRAMA3_PATCHES=0: each variant is in place before the plan runs.
-VARIANTS = SETUP + r"""
-import vllm_omni.platforms.npu.worker as npu_worker_package
-npu_worker_package.__path__.insert(0, sys.argv[1])  # a runner vllm-omni would ship beside its own
+def variants_child(runner_dir: str, target: str) -> dict:
+    """Started with DRAMA3_PATCHES=0: each variant is in place before the plan runs."""
+    import drama3_patches
+    from vllm.config import DeviceConfig, VllmConfig
 
-real_loader = sc._apply_platform_overrides
-def accepting_loader(deploy, platform=None):
-    # SYNTHETIC: a loader that refuses Model Runner V2 on xpu only.
-    if platform == "npu":
-        return real_loader(deploy, "npu-accepting")
-    return real_loader(deploy, platform)
-accepting_loader.__module__ = sc.__name__
-sc._apply_platform_overrides = accepting_loader
-drama3_patches.apply()
+    ns = _setup([])
+    sc = ns.sc
+    import vllm_omni.platforms.npu.worker as npu_worker_package
 
-from vllm.config import DeviceConfig, VllmConfig
-from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
-out = {"loader": mine()[sys.argv[2]]}
-cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-cfg.model_config = SimpleNamespace(stage_id=0, model_stage="fish_omni", use_v2_model_runner=True)
-w = NPUARWorker(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1")
-w.init_device()
-out["runner"] = [type(w.model_runner).__name__, type(w.model_runner).__module__]
-print("RESULT " + json.dumps(out))
-"""
+    npu_worker_package.__path__.insert(0, runner_dir)  # a runner vllm-omni would ship beside its own
+    real_loader = sc._apply_platform_overrides
+
+    def accepting_loader(deploy, platform=None):
+        # SYNTHETIC: a loader that refuses Model Runner V2 on xpu only.
+        if platform == "npu":
+            return real_loader(deploy, "npu-accepting")
+        return real_loader(deploy, platform)
+
+    accepting_loader.__module__ = sc.__name__
+    sc._apply_platform_overrides = accepting_loader
+    drama3_patches.apply()
+    from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
+
+    out = {"loader": _mine()[target]}
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg.model_config = SimpleNamespace(stage_id=0, model_stage="fish_omni", use_v2_model_runner=True)
+    w = NPUARWorker(vllm_config=cfg, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:1")
+    w.init_device()
+    out["runner"] = [type(w.model_runner).__name__, type(w.model_runner).__module__]
+    return out
 
 
 def test_upstream_fixes_are_detected_by_behaviour(tmp_path):
     (tmp_path / "npu_v2_ar_model_runner.py").write_text(SHIPPED_RUNNER)
-    out = _run(VARIANTS, profile_paths(ASCEND_MAIN), [tmp_path, TARGETS[0]], DRAMA3_PATCHES="0")
+    out = _run(variants_child, profile_paths(ASCEND_MAIN), [tmp_path, TARGETS[0]], DRAMA3_PATCHES="0")
     # A loader that accepts v2 on npu: that target is not needed (the workers still are).
     assert out["loader"]["state"] == "not-needed"
     assert "already accepts model_runner v2 on npu" in out["loader"]["reason"]

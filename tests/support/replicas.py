@@ -94,6 +94,25 @@ def npu_worker_prelude(version: str | None = None) -> str:
     )
 
 
+def cpu_imports() -> None:
+    """:data:`CPU_IMPORT_PRELUDE`, as a call."""
+    import torch
+
+    if not torch.cuda.is_available():
+        import diffusers.utils.import_utils as diffusers_imports
+
+        diffusers_imports._flashinfer_available = False
+
+
+def enter_npu_workers(version: str | None = None) -> None:
+    """:func:`npu_worker_prelude`, as a call: the real vllm-omni NPU worker package, with the runner
+    stand-ins for ``version`` found before the published runner modules."""
+    import importlib
+
+    cpu_imports()
+    importlib.import_module(NPU_WORKER_PACKAGE).__path__.insert(0, str(omni_npu_runners(version)))
+
+
 def npu_env(**extra: str) -> dict[str, str]:
     """Environment of a child that applies the patches as on an Ascend host."""
     env = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu"}
