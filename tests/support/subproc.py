@@ -90,7 +90,7 @@ def run_pytest(*argv: str, env: dict | None = None, pythonpath: list | None = No
 
 
 def call(func, *args, env: dict | None = None, pythonpath: list | None = None, timeout: float = 300,
-         prelude=None):
+         prelude=None, with_output: bool = False):
     """``func(*args)`` in a fresh interpreter; returns its JSON-able result.
 
     ``func`` is a module-level function; the child loads its file (a test module or a support
@@ -98,6 +98,7 @@ def call(func, *args, env: dict | None = None, pythonpath: list | None = None, t
     function, runs before that (for set-up that must precede every import of the module).
     ``pythonpath`` entries come first on the child's path, then the project and ``tests/``.
     A failure in the child fails the caller with the child's traceback (:class:`ChildFailed`).
+    ``with_output``: ``{"result": ..., "output": the child's stdout and stderr}`` instead.
     """
     spec = [_address(func), _address(prelude) if prelude else None, list(args)]
     proc = _run([sys.executable, "-m", "support.subproc", json.dumps(spec)], env,
@@ -105,7 +106,8 @@ def call(func, *args, env: dict | None = None, pythonpath: list | None = None, t
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_TAG)]
     if not lines:
         raise AssertionError(f"the child returned nothing\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
-    return json.loads(lines[-1][len(_TAG):])
+    result = json.loads(lines[-1][len(_TAG):])
+    return {"result": result, "output": proc.stdout + proc.stderr} if with_output else result
 
 
 def _address(func) -> list:
