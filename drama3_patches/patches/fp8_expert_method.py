@@ -1,27 +1,16 @@
-"""fp8-expert-method: Drama 3's block-FP8 routed experts get an Ascend MoE method on NPU.
+"""fp8-expert-method: Block-FP8 routed experts get an Ascend MoE method on NPU.
 
-The published Drama 3 model (vllm-omni 0.32.0rc1, ``fish_omni/quantization.py``) registers
-``ExpertFp8Config`` as quantization method ``"bsgemm-moe"``: its ``get_quant_method(layer,
-prefix)`` answers ``UnquantizedLinearMethod`` for linear layers and defers everything else to
-vLLM's ``Fp8Config``, which hands the routed experts ``Fp8MoEMethod``, whose kernels are CUDA
-ones.  vLLM-Ascend's routed-expert layer asks with one more keyword,
-``get_quant_method(layer, prefix, tid2eid=...)``; the replacement accepts extra arguments and
-passes each on to whatever it delegates to when that accepts it.  For routed-expert layers:
+Record: ``patches_manifest.yaml``, id ``fp8-expert-method`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-* where the card has MXFP8 (Ascend 950, ``AscendDeviceType.A5``) asks vLLM-Ascend's
-  ``AscendFp8Config`` for its MoE method; vLLM-Ascend main (2026-08) raises
-  ``NotImplementedError`` there, which falls through to the next point;
-* otherwise (910B) returns :class:`ExpandedFp8MoEMethod` built on vLLM-Ascend's bf16
-  ``AscendUnquantizedFusedMoEMethod``: the checkpoint's fp8 weights and ``weight_scale_inv`` are
-  loaded into host memory (never onto the device: the fp8 device copy is what fails on 910B),
-  and ``process_weights_after_loading`` expands them on the CPU, expert by expert, straight into
-  the layout that method keeps after its own post-processing -- ``w13`` as ``(E, H, 2I)`` and
-  ``w2`` as ``(E, I, H)`` (vllm_ascend/ops/fused_moe/routed_experts.py,
-  ``AscendUnquantizedFusedMoEMethod.process_weights_after_loading``: ``transpose(1, 2)
-  .contiguous()``) -- so the device holds one bf16 copy and no transpose copy is made there.
-
-Other layers keep the original answer.  vLLM-Ascend's ``tid2eid`` (hash-routing table) reaches
-the method that is built, as it would reach vLLM-Ascend's own.
+Layout: ``plan`` wraps ``ExpertFp8Config.get_quant_method`` with ``build``; the wrapper answers
+routed-expert layers (``is_routed_experts``) with ``_ascend_fp8_moe_method`` where ``has_mxfp8``,
+else with a class made by ``expanded_method_class`` on vLLM-Ascend's bf16 method.  That class
+loads through ``_into_host`` (the checkpoint's fp8 data lands in host buffers kept under
+``_HOST_ATTR`` on the layer) and ``expand_layer`` writes the bf16 device weights with
+``drama3_patches.kernels.fp8``; ``_finish_like_base`` then runs the part of the base method's
+post-processing that follows its transposes.  Extra keywords (``tid2eid``) go through
+``patchlib.call_accepting``.
 """
 
 from __future__ import annotations

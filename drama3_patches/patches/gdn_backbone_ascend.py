@@ -1,26 +1,11 @@
 """gdn-backbone-ascend: off CUDA the Drama 3 backbone keeps vLLM's Qwen GDN layers.
 
-vllm-omni 0.32.0rc1's ``FishOmniForConditionalGeneration.__init__`` imports
-``install_drama3_gdn`` from ``fish_omni.gdn`` inside the constructor and calls it on the
-Qwen3.5 backbone unconditionally.  It re-classes every layer whose type is exactly vLLM's
-``QwenGatedDeltaNetAttention`` to ``Drama3GatedDeltaNet``, which overrides ``_forward_core``
-(steps with prefills go to FlashInfer / vLLM's CUDA Triton kernels and a Triton
-``_zero_fresh_rows_kernel``) and ``get_attn_backend`` (its own subclass of vLLM's GDN metadata
-builder).  vLLM-Ascend patches ``QwenGatedDeltaNetAttention`` in place (``forward``,
-``_forward_core``, ``get_attn_backend`` -> its Ascend GDN backend, ...), so the class stays the
-same and the swap happens on NPU too, replacing those Ascend methods with the CUDA ones.
+Record: ``patches_manifest.yaml``, id ``gdn-backbone-ascend`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-The replacement decides by vLLM's platform at the moment the model is built: on CUDA the
-original runs unchanged; on any other platform no layer is touched, the number of layers left on
-vLLM's class is logged, and it returns 0 (no layer switched).  The platform rather than the
-model's parameters: vLLM builds some models on ``meta`` (its IPC weight-cache loader) or on a
-``load_config.device`` other than the compute device, while the platform is what decides
-whether FlashInfer and the CUDA Triton backend exist in this process at all.
-
-Feature detection calls the published function on a throwaway module holding one bare
-``QwenGatedDeltaNetAttention`` (host parameters, this process's platform): if the layer keeps
-its class, ``install_drama3_gdn`` already leaves the layers alone here and the patch is not
-needed.
+Layout: ``build`` wraps ``install_drama3_gdn`` and asks ``_platform()`` (vLLM's current platform)
+on every call, not once at import; ``swaps_here`` is the feature detection, run on a bare layer
+from ``_bare_layer``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """lora-count-forwarding: the NPU Omni V2 AR runner hands ``num_active_loras`` on when it can.
 
-vLLM's MR V2 ``execute_model`` and vLLM-Omni 0.31.0rc1/0.32.0rc1's
-``OmniGPUModelRunner.execute_model`` call ``prepare_inputs(scheduler_output, batch_req_state,
-batch_desc, num_active_loras)``. Below them, vLLM-Ascend's V2 ``NPUModelRunner.prepare_inputs``
-takes three arguments on public main (182b75ea84) -- a TypeError at the first step -- and, per the
-port, four (the count required) in its 0.32 line. Whatever the pairing, the NPU Omni V2 AR runner
-must fit the call to its parent.
+Record: ``patches_manifest.yaml``, id ``lora-count-forwarding`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-The replacement accepts ``num_active_loras`` positionally, by keyword or not at all, and
-forwards it exactly when the parent's ``prepare_inputs`` (the next one in the MRO) names it --
-decided by reading that signature, not by version. A caller that omits it while the parent
-requires it gets the count the batch descriptor was dispatched with
-(``batch_desc.num_active_loras``, set from the same count in vLLM and vLLM-Omni).
+Layout: ``parent_method`` finds the next ``prepare_inputs`` in the MRO; ``_signatures`` reads it
+once, when ``plan`` runs (at import of the runner module), and ``build`` returns a wrapper whose
+published signature is the caller's (``wrap(signature=...)``), so the next feature detection
+sees what it accepts.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """mamba-prefill-end: vLLM-Ascend's Mamba manager accepts the ``prefill_end`` vLLM passes.
 
-vLLM (0.31 and later) calls ``get_num_blocks_to_allocate(..., prefill_end=...)`` on every
-single-type KV-cache manager from the scheduler's allocation path. vLLM-Ascend replaces vLLM's
-``MambaManager`` with ``AscendMambaManager``, whose override of that method has no
-``prefill_end`` and no ``**kwargs``: the first scheduling step of a hybrid model raises
-``TypeError`` in the engine-core process.
+Record: ``patches_manifest.yaml``, id ``mamba-prefill-end`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-For each target method the plan compares signatures (never versions): it wraps the method when
-the method it overrides in vLLM takes ``prefill_end`` and the Ascend one takes neither
-``prefill_end`` nor ``**kwargs``. The wrapper drops the value; the Ascend body then calls vLLM's
-method without it, which uses vLLM's default (0: a prefill checkpoint block may be reserved on
-every chunk rather than only the last one, the behaviour before vLLM added the argument).
+Layout: ``needs_prefill_end`` compares the Ascend method's signature with the one it overrides
+(``patchlib.overridden``); ``_build`` makes a plain function with the widened signature
+(``wrap(signature=...)``, never set on the original or on a wrapt proxy), re-wrapped in the
+target's descriptor kind by ``rewrap``; ``_warn_unlisted`` names other methods of the class that
+would need the same.
 """
 
 from __future__ import annotations

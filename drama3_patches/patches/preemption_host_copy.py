@@ -1,25 +1,11 @@
 """preemption-host-copy: a preempted Drama 3 request parks its generated codes on the host.
 
-vLLM-Omni 0.32's ``FishOmniModelState.on_request_preempted(req_id, req_index)`` first lets its
-parents suspend what they own (``OmniModelState`` -> ``EagerMTPState.suspend_audio``), then
-parks the slot's code ``history`` and its ``count`` in ``self._suspended[req_id]``;
-``add_request`` of the resumed request (possibly in another slot) reads them back and
-concatenates them with host tensors.  On CUDA the park is a pinned host copy plus an event.  Any
-other device takes the ``clone()`` branch, whose copy stays on the device: on NPU every resume
-fails with a device-mismatch ``RuntimeError`` (and each parked request holds device memory).
+Record: ``patches_manifest.yaml``, id ``preemption-host-copy`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-The replacement runs the published method unchanged and then fixes exactly the state the bug is
-about: when the parked ``history`` / ``count`` sit on an accelerator that is neither CUDA nor the
-host, each is replaced by a blocking host copy (``.to("cpu", non_blocking=False, copy=True)``),
-finished before the method returns and so before the runner hands the slot to another request.
-What the parent chain parked is left exactly as upstream made it; host tensors (CPU runs) are
-already independent snapshots; a CUDA park (pinned copy + event) is never touched.
-
-Feature detection runs the method's own body -- its ``super()`` call pointed at a no-op parent --
-on ``meta`` tensors, which report neither CUDA nor the host: a park that stays on ``meta`` is
-the bug; an attempt to copy the data to the host (``meta`` refuses with "Cannot copy out of
-meta tensor") means the published method already parks on the host, so the patch is not
-needed.  Anything else (no park where this patch expects one) is drift and fails the patch.
+Layout: ``build`` runs the original, then ``park_on_host`` replaces the parked ``PARKED`` tensors
+that ``needs_host_copy``.  Feature detection (``parks_off_host``) runs the method's own body,
+copied by ``_own_body`` with its ``super()`` pointed at ``_QuietParent``, on ``meta`` buffers.
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
-"""qwen3next-eager-attention: no Qwen3-Next attention layer that reads vLLM's fused-kernel flag
-selects the Triton QK-RMSNorm / RoPE / gate kernel on NPU.
+"""qwen3next-eager-attention: no Qwen3-Next attention layer that reads vLLM's fused-kernel flag selects the
+Triton QK-RMSNorm / RoPE / gate kernel on NPU.
 
-vLLM (0.31, 0.32) decides once, in ``Qwen3NextAttention.__init__``, whether ``_project_qkv_gate``
-calls the Triton kernel ``fused_qk_rmsnorm_rope_gate``: ``use_fused_qk_norm_rope_gate`` is true
-when the output gate is on, RoPE is NeoX style, the rotary cache is bf16/fp16, the model is
-text-only (or uses interleaved 3-section mRoPE) and ``current_platform.is_cuda() or is_xpu()``.
-Only vLLM's own ``Qwen3NextAttention.forward`` reads the flag (through ``_project_qkv_gate``).
+Record: ``patches_manifest.yaml``, id ``qwen3next-eager-attention`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-What runs for Drama 3 on NPU (vllm-ascend public main, 182b75ea84): vLLM-Ascend's platform is an
-out-of-tree platform (``_enum = OOT``), so vLLM's check is false and the flag is already False;
-and vLLM-Ascend's worker patch ``patch/worker/patch_qwen3_5.py`` (imported on every non-310P
-worker) replaces ``Qwen3NextAttention.forward`` for every model with
-``AscendQwen3NextAttention.forward``, which never calls ``_project_qkv_gate``. For a text config
-whose ``model_type`` contains ``qwen3_5`` -- Drama 3's backbone config is transformers'
-``Qwen3_5MoeTextConfig``, ``qwen3_5_moe_text`` -- that forward runs vLLM-Ascend's Triton-Ascend op
-``torch.ops.vllm.triton_split_qkv_rmsnorm_mrope``.
-
-So the patch decides by what it finds, at import of ``qwen3_next`` (its ``plan``) and again for
-each layer built (the wrapped ``__init__``):
-
-* the class carries the in-tree port's marker ``_fish_omni_npu_eager``, or has no
-  ``_project_qkv_gate``: nothing to do (not-needed);
-* the forward in effect never reaches ``_project_qkv_gate`` (vLLM-Ascend's, when its worker patch
-  was imported first): the flag is never read (not-needed, naming that forward);
-* vLLM's platform check answers neither CUDA nor XPU in this process: vLLM already keeps the
-  flag False (not-needed, naming the platform);
-* otherwise (a process whose vLLM platform says CUDA/XPU while drama3-patches runs for npu) the
-  constructor is wrapped: after the original it sets ``use_fused_qk_norm_rope_gate = False`` on
-  the instance when the layer's forward reads it, and refuses, naming the layer prefix, a layer
-  that would still take the fused kernel or lacks the eager path's ``q_norm`` / ``k_norm`` /
-  ``rotary_emb``. A layer whose forward does not read the flag is left as built and the forward
-  is named once in the log. Weights, weight loaders and the module tree are unchanged.
+Layout: ``plan`` runs the not-needed checks in the manifest's order (``is_eager_class``,
+``forward_in_effect`` read through its code names, ``_platform_selects_fused``); ``_build`` wraps
+``__init__`` and checks each built layer with ``check_eager`` (``EagerPathError`` names the
+layer prefix).  The wrapper carries ``MARKER`` so a second look at the class sees it.
 """
 
 from __future__ import annotations

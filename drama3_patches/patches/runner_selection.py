@@ -1,22 +1,14 @@
 """runner-selection: each vLLM-Omni stage on NPU runs the model runner its deploy config names.
 
-Four targets, all in vLLM-Omni:
+Record: ``patches_manifest.yaml``, id ``runner-selection`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-* the deploy loader ``_apply_platform_overrides`` stops refusing ``model_runner: v2`` on ``npu``
-  (``xpu`` keeps its error). vLLM-Omni 0.31/0.32 already carry a per-stage ``model_runner``
-  (``resolve_stage_model_runner``: the stage's, else the deploy's) and ``_build_engine_args`` turns
-  it into each stage's ``use_v2_model_runner``; only the loader's NPU refusal (raised when the
-  deploy or any stage asks for v2) stands in the way. The wrapper lets the original merge the
-  ``npu`` section under a name it does not refuse, so every merge rule (the section's
-  ``model_runner``, its V1 fallback that clears stage-level v2, stage overrides) stays upstream's;
-* ``NPUARWorker.__init__`` and ``NPUGenerationWorker.__init__`` take ``use_v2_model_runner`` from
-  their own stage's ``model_config`` (default False), right after the parent constructor set the
-  process-wide value (vLLM's property, replaced by vLLM-Ascend's and vLLM-Omni's, whichever was
-  installed last), so ``init_device`` sees it; the generation (DAC) worker refuses V2, naming its
-  stage;
-* ``NPUARWorker.init_device`` builds the NPU Omni V2 AR runner when its stage asks for V2 (one
-  that the installed vLLM-Omni ships, else ours: ``_npu_omni_ar_runner``), constructed inside
-  vLLM-Ascend's ``torch_cuda_wrapper()``, and the V1 runner otherwise; it logs which one.
+Layout: one builder per target in ``_BUILDERS`` (``_deploy_loader``, ``_ar_init``,
+``_generation_init``, ``_ar_init_device``).  The loader is probed by ``_refuses_v2_on_npu`` and
+merges the ``npu`` section under ``NPU_ALIAS``.  The V2 runner class comes from
+``shipped_npu_v2_ar_runner`` (one the installed vLLM-Omni ships) or ``npu_omni_ar_runner_class``
+(``_npu_omni_ar_runner``, imported only then: it pulls in both V2 runners), and is built inside
+vLLM-Ascend's ``torch_cuda_wrapper()`` (``_built_under_cuda_wrapper``).
 """
 
 from __future__ import annotations
@@ -44,11 +36,6 @@ SHIPPED_RUNNER_PACKAGES = ("vllm_omni.platforms.npu.worker", "vllm_omni.platform
 
 # The name the npu section is merged under: any name outside the loader's {"npu", "xpu"} refusal.
 NPU_ALIAS = "npu (drama3-patches: model runner v2 allowed)"
-
-
-def _load(path: str):
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 # -- the deploy loader ------------------------------------------------------------------------
@@ -148,7 +135,7 @@ def shipped_npu_v2_ar_runner():
     A class counts when it subclasses both vLLM-Omni's OmniARModelRunner and vLLM-Ascend's V2
     NPUModelRunner; only ``*model_runner`` modules of the NPU worker packages are looked at.
     """
-    omni_ar, ascend_v2 = _load(OMNI_V2_AR_RUNNER), _load(ASCEND_V2_RUNNER)
+    omni_ar, ascend_v2 = pkgutil.resolve_name(OMNI_V2_AR_RUNNER), pkgutil.resolve_name(ASCEND_V2_RUNNER)
     for package_name in SHIPPED_RUNNER_PACKAGES:
         try:
             package = importlib.import_module(package_name)
@@ -181,7 +168,7 @@ def npu_omni_ar_runner_class():
 
 
 def _built_under_cuda_wrapper(runner_cls):
-    torch_cuda_wrapper = _load(CUDA_WRAPPER)
+    torch_cuda_wrapper = pkgutil.resolve_name(CUDA_WRAPPER)
 
     def build(vllm_config, device):
         # The whole Omni stack, not only vLLM-Ascend's part, creates torch.cuda events/streams.

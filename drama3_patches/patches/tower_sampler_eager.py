@@ -1,29 +1,20 @@
 """tower-sampler-eager: Drama 3's Triton entry points run eager torch off CUDA.
 
-vllm-omni's ``fish_omni`` model (Drama 3) launches Triton kernels for its
-codebook tower norms (``tower_mix_norm``, ``gemma_rms_norm``,
-``gemma_rms_norm_table``), the attention output gate (``sigmoid_gate``), the
-frame draw (``draw_top_k_top_p``) and, from ``codebook_tower``, vLLM's
-``fused_qk_rmsnorm_rope_gate``.  Each target is wrapped: when its first tensor
-argument is on CUDA the original runs unchanged, otherwise the eager kernel of
-the same name in ``drama3_patches.kernels`` runs with the same arguments.
+Record: ``patches_manifest.yaml``, id ``tower-sampler-eager`` (why, how, upstream change, remove-when;
+``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
 
-The kernel for a target is looked up by the target's name (``KERNELS``); its
-signature must equal the target's (parameter names, kinds, defaults), or the
-patch fails naming both.  The model binds these functions with ``from ...
-import``: the import trigger patches a kernels module before its importer
-binds the names, and on a late start the engine's alias audit rebinds them.
-
-Feature detection is behavioural: a target is ``not-needed`` when a copy of its
-entry point, whose module-level Triton kernels raise on launch, returns for
-``meta`` tensors (neither CUDA nor CPU, as an NPU tensor) without launching
-one.  A launch, or any error, means the upstream code still needs the patch.
+Layout: ``KERNELS`` maps each target's name to its eager kernel in ``drama3_patches.kernels``;
+``kernel_for`` loads it and fails the patch, naming both, when its parameters (``_shape``: names,
+kinds, defaults) differ from the target's.  ``_build`` dispatches on the first tensor argument.
+Feature detection (``upstream_dispatch``) runs ``_probe_copy`` of the entry point, whose
+module-level Triton kernels are replaced by ``_NoLaunch`` (raising ``_Launch``), on the
+``_probe_calls`` arguments made of ``meta`` tensors.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
+import pkgutil
 import sys
 import types
 
@@ -41,11 +32,6 @@ KERNELS = {
     "draw_top_k_top_p": "drama3_patches.kernels.sampling:draw_top_k_top_p",
     "fused_qk_rmsnorm_rope_gate": "drama3_patches.kernels.qk_norm_rope_gate:fused_qk_rmsnorm_rope_gate",
 }
-
-
-def _load(path: str):
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _shape(func) -> tuple:
@@ -66,7 +52,7 @@ def kernel_for(target: str, original):
     path = KERNELS.get(name)
     if path is None:
         raise TypeError(f"{target}: no eager kernel is named {name!r} (known: {', '.join(KERNELS)})")
-    kernel = _load(path)
+    kernel = pkgutil.resolve_name(path)
     if _shape(original) != _shape(kernel):
         raise TypeError(
             f"{target}{_plain(original)} no longer fits its eager kernel {path}{_plain(kernel)}"
