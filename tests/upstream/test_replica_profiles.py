@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import base64
 import hashlib
-import json
 import re
 import sys
 from importlib import metadata
@@ -21,12 +20,12 @@ from support.replicas import (
     NPU_WORKER_PACKAGE,
     OMNI_NPU_RUNNERS,
     REPLICAS,
+    enter_npu_workers,
     installed,
-    npu_worker_prelude,
     on_sys_path,
+    prepend_profiles,
     profile_paths,
 )
-from support.subproc import run_python
 
 ALL = sorted(p.name for p in REPLICAS.iterdir() if p.is_dir())
 RUNNER_STAND_INS = sorted(OMNI_NPU_RUNNERS.values())
@@ -113,32 +112,35 @@ def test_on_sys_path_imports_from_the_profile_and_forgets_it_after():
 
 
 @pytest.mark.vllm
+@pytest.mark.forked
 @pytest.mark.parametrize("ascend", [ASCEND_MAIN, ASCEND_032])
 def test_stand_ins_subclass_the_real_vllm_and_vllm_omni_classes(ascend):
-    proc = run_python(
-        npu_worker_prelude() + """
-import json
-from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner as MRV2
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner as MRV1
-from vllm.v1.worker.worker_base import WorkerBase
-from vllm_ascend.patch.platform.patch_mamba_manager import AscendMambaManager
-from vllm_ascend.worker.model_runner_v1 import NPUModelRunner as AscendV1
-from vllm_ascend.worker.v2.model_runner import NPUModelRunner as AscendV2
-from vllm_ascend.worker.worker import NPUWorker
-from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
-from vllm_omni.platforms.npu.worker.npu_ar_model_runner import NPUARModelRunner
-from vllm_omni.platforms.npu.worker.npu_generation_model_runner import NPUGenerationModelRunner
-from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
-from vllm_omni.worker_v2.omni_ar_model_runner import OmniARModelRunner
-print("RESULT " + json.dumps([
-    issubclass(AscendMambaManager, MambaManager), issubclass(AscendV1, MRV1),
-    issubclass(AscendV2, MRV2), issubclass(NPUWorker, WorkerBase),
-    issubclass(NPUARWorker, NPUWorker), issubclass(OmniARModelRunner, MRV2),
-    issubclass(NPUARModelRunner, AscendV1) and issubclass(NPUARModelRunner, OmniGPUModelRunner),
-    issubclass(NPUGenerationModelRunner, AscendV1),
-]))
-""",
-        pythonpath=profile_paths(ascend),
-    )
-    assert json.loads(proc.stdout.split("RESULT ")[-1]) == [True] * 8
+    prepend_profiles(ascend)
+    enter_npu_workers()
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as MRV2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as MRV1
+    from vllm.v1.worker.worker_base import WorkerBase
+    from vllm_ascend.patch.platform.patch_mamba_manager import AscendMambaManager
+    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner as AscendV1
+    from vllm_ascend.worker.v2.model_runner import NPUModelRunner as AscendV2
+    from vllm_ascend.worker.worker import NPUWorker
+    from vllm_omni.platforms.npu.worker.npu_ar_model_runner import NPUARModelRunner
+    from vllm_omni.platforms.npu.worker.npu_ar_worker import NPUARWorker
+    from vllm_omni.platforms.npu.worker.npu_generation_model_runner import NPUGenerationModelRunner
+    from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner
+    from vllm_omni.worker_v2.omni_ar_model_runner import OmniARModelRunner
+
+    assert vllm_ascend_root() == str(profile_paths(ascend)[0])
+    assert issubclass(AscendMambaManager, MambaManager)
+    assert issubclass(AscendV1, MRV1) and issubclass(AscendV2, MRV2)
+    assert issubclass(NPUWorker, WorkerBase) and issubclass(NPUARWorker, NPUWorker)
+    assert issubclass(OmniARModelRunner, MRV2)
+    assert issubclass(NPUARModelRunner, AscendV1) and issubclass(NPUARModelRunner, OmniGPUModelRunner)
+    assert issubclass(NPUGenerationModelRunner, AscendV1)
+
+
+def vllm_ascend_root() -> str:
+    import vllm_ascend
+
+    return str(Path(vllm_ascend.__file__).parents[1])

@@ -1,6 +1,6 @@
 """Target audit: where every manifest target resolves in this session's installed code.
 
-One child process (patches off, so the lines point at upstream code) imports each target
+One fresh interpreter per audit (patches off, so the lines point at upstream code) imports each target
 module and reads the target's raw definition. The table it prints (run with ``-s``, or set
 ``DRAMA3_AUDIT_OUT=FILE``) is the one the closing notes quote. The test fails when
 
@@ -11,15 +11,13 @@ module and reads the target's raw definition. The table it prints (run with ``-s
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from support.subproc import run_python
-
-from support.replicas import ASCEND_MAIN, npu_worker_prelude, profile_paths
+from support.replicas import ASCEND_MAIN, enter_npu_workers, profile_paths
+from support.subproc import call
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,19 +31,17 @@ STAND_IN_ONLY = {
         "the project's NPU Omni V2 AR runner subclasses vLLM-Ascend's V2 NPUModelRunner",
 }
 
-CHILD = r"""
-import importlib, inspect, json, sys
-from drama3_patches.manifest import load_manifest
-from drama3_patches.versions import check
-
-def raw_definition(owner, name):
+def _raw_definition(owner, name):
     # The raw class-dict entry along the MRO (a classmethod stays one), else getattr.
     for klass in getattr(owner, "__mro__", ()):
         if name in vars(klass):
             return vars(klass)[name]
     return getattr(owner, name)
 
-def source(obj):
+
+def _source(obj):
+    import inspect
+
     for attr in ("fget", "__func__"):
         obj = getattr(obj, attr, obj)
     obj = inspect.unwrap(obj)
@@ -54,32 +50,43 @@ def source(obj):
     except (OSError, TypeError, AttributeError):
         return None, None, None, None
 
-rows = []
-for patch in load_manifest().patches:
-    guards = [check(d, s) for d, s in patch.requires.items()]
-    in_range = all(ok for ok, _ in guards)
-    for target in patch.targets:
-        row = {"patch": patch.id, "target": target.spec, "in_range": in_range,
-               "guards": "; ".join(why for ok, why in guards if not ok)}
-        try:
-            module = importlib.import_module(target.module)
-            owner = module
-            *path, name = target.attr_path
-            for part in path:
-                owner = getattr(owner, part)
-            obj = raw_definition(owner, name)
-        except BaseException as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-            rows.append(row); continue
-        row["file"], row["line"], row["qualname"], row["defined_in"] = source(obj)
-        rows.append(row)
-print(json.dumps(rows))
-"""
+
+def audit_rows(beside_stand_ins: bool) -> list[dict]:
+    """A child's audit: import each target module, read the target's raw definition."""
+    import importlib
+
+    from drama3_patches.manifest import load_manifest
+    from drama3_patches.versions import check
+
+    if beside_stand_ins:
+        enter_npu_workers()
+    rows = []
+    for patch in load_manifest().patches:
+        guards = [check(d, s) for d, s in patch.requires.items()]
+        in_range = all(ok for ok, _ in guards)
+        for target in patch.targets:
+            row = {"patch": patch.id, "target": target.spec, "in_range": in_range,
+                   "guards": "; ".join(why for ok, why in guards if not ok)}
+            try:
+                owner = importlib.import_module(target.module)
+                *path, name = target.attr_path
+                for part in path:
+                    owner = getattr(owner, part)
+                obj = _raw_definition(owner, name)
+            except BaseException as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+                rows.append(row)
+                continue
+            row["file"], row["line"], row["qualname"], row["defined_in"] = _source(obj)
+            rows.append(row)
+    return rows
 
 
-def _audit(prelude: str = "", pythonpath=()) -> list[dict]:
-    proc = run_python(prelude + CHILD, pythonpath=list(pythonpath), timeout=600)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _audit(beside_stand_ins: bool = False) -> list[dict]:
+    # A fresh interpreter per audit: the two see different module states (without and beside
+    # the stand-ins), and nothing in them has been patched.
+    paths = profile_paths(ASCEND_MAIN) if beside_stand_ins else []
+    return call(audit_rows, beside_stand_ins, pythonpath=paths, timeout=600)
 
 
 def _stand_in_reason(target_module: str) -> str | None:
@@ -113,7 +120,7 @@ def _table(rows) -> str:
 @pytest.mark.vllm
 def test_every_manifest_target_resolves_or_is_a_declared_stand_in():
     plain = _audit()
-    beside = {r["target"]: r for r in _audit(npu_worker_prelude(), profile_paths(ASCEND_MAIN))}
+    beside = {r["target"]: r for r in _audit(beside_stand_ins=True)}
     problems = []
     for r in plain:
         why = _stand_in_reason(r["target"].split(":")[0])
