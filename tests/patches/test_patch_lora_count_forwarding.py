@@ -11,51 +11,37 @@ vllm-ascend stand-in, real signature) records what it received.
 
 from __future__ import annotations
 
-import json
+from types import SimpleNamespace
 
 import pytest
 
-from support.replicas import ASCEND_032, ASCEND_MAIN, CPU_IMPORT_PRELUDE, npu_env, profile_paths
-from support.subproc import run_python
+from support.replicas import ASCEND_032, ASCEND_MAIN, cpu_imports, npu_env, profile_paths
+from support.subproc import call
 
 pytestmark = pytest.mark.vllm
 
 TARGET = "drama3_patches.patches._npu_omni_ar_runner:NPUOmniARModelRunner.prepare_inputs"
 
-CHILD = CPU_IMPORT_PRELUDE + r"""
-import inspect, json, sys
-from types import SimpleNamespace
-
-import torch
-from vllm.config import CUDAGraphMode, DeviceConfig, VllmConfig
-from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
-
-import drama3_patches
-drama3_patches.apply()
-from drama3_patches.patches._npu_omni_ar_runner import NPUOmniARModelRunner
-import vllm_omni.worker_v2.omni_model_runner as omni_model_runner
-
-out = {"omni_runner_file": sys.modules["vllm_omni.worker_v2.omni_ar_model_runner"].__file__}
-st = {p["id"]: p for p in drama3_patches.status()["patches"]}["lora-count-forwarding"]
-out.update(state=st["state"], reason=st["reason"], targets=st["targets"])
-out["params"] = {n: (p.default is inspect.Parameter.empty) for n, p in
-                 inspect.signature(NPUOmniARModelRunner.prepare_inputs).parameters.items()}
-out["qualname"] = NPUOmniARModelRunner.prepare_inputs.__qualname__
-out["mro"] = [c.__name__ for c in NPUOmniARModelRunner.__mro__[:5]]
-
-
-def desc(loras):
-    return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=8, num_reqs=2, num_active_loras=loras)
-
-
-class StopAfterPrepareInputs(Exception):
+class _StopAfterPrepareInputs(Exception):
     pass
 
 
-def runner():
+def _desc(loras):
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=8, num_reqs=2, num_active_loras=loras)
+
+
+def _runner():
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig
+
+    from drama3_patches.patches._npu_omni_ar_runner import NPUOmniARModelRunner
+
     r = NPUOmniARModelRunner(VllmConfig(device_config=DeviceConfig(device="cpu")), torch.device("cpu"))
     # What execute_model does before prepare_inputs, answered here (no model, no KV cache).
-    noop = lambda *args, **kwargs: None
+    noop = lambda *args, **kwargs: None  # noqa: E731
     for name in ("_handle_kv_transfer_pre", "_prepare_native_data_plane", "finish_requests", "free_states",
                  "add_requests", "update_requests", "_sync_native_data_plane_payloads"):
         setattr(r, name, noop)
@@ -65,17 +51,16 @@ def runner():
     r.is_encoder_decoder = False
     r.lora_config, r.lora_state = object(), object()   # a LoRA deployment: the count is computed
     r.gather_batch_req_state = lambda so, dummy: (SimpleNamespace(name="brs", num_tokens=8), None)
-    r._dispatch_batch_descriptor = lambda **kw: (desc(kw["num_active_loras"]), None)
+    r._dispatch_batch_descriptor = lambda **kw: (_desc(kw["num_active_loras"]), None)
+
     def prepare_attn(input_batch):
-        raise StopAfterPrepareInputs
+        raise _StopAfterPrepareInputs
+
     r.prepare_attn = prepare_attn
     return r
 
 
-omni_model_runner.get_num_active_loras_for_dispatch = lambda lora_config, lora_state, req_ids, dummy: 2
-
-
-def calls(r):
+def _calls(r):
     results = {}
     so, brs = SimpleNamespace(name="sched"), SimpleNamespace(name="brs")
 
@@ -83,7 +68,7 @@ def calls(r):
         before = len(r.prepare_inputs_calls)
         try:
             fn()
-        except StopAfterPrepareInputs:
+        except _StopAfterPrepareInputs:
             pass
         except TypeError as exc:
             results[key] = "TypeError: " + str(exc)
@@ -91,25 +76,46 @@ def calls(r):
         got = r.prepare_inputs_calls[before:]
         results[key] = [len(c) for c in got] + ([got[-1][3]] if got and len(got[-1]) == 4 else [])
 
-    attempt("vllm_four_positional", lambda: r.prepare_inputs(so, brs, desc(7), 3))
-    attempt("keyword", lambda: r.prepare_inputs(so, brs, desc(7), num_active_loras=3))
-    attempt("absent", lambda: r.prepare_inputs(so, brs, desc(7)))
+    attempt("vllm_four_positional", lambda: r.prepare_inputs(so, brs, _desc(7), 3))
+    attempt("keyword", lambda: r.prepare_inputs(so, brs, _desc(7), num_active_loras=3))
+    attempt("absent", lambda: r.prepare_inputs(so, brs, _desc(7)))
     sched = SimpleNamespace(total_num_scheduled_tokens=8, num_scheduled_tokens={"a": 4, "b": 4},
                             scheduled_encoder_inputs={})
     attempt("omni_execute_model", lambda: r.execute_model(sched))
     return results
 
 
-out["patched"] = calls(runner())
-drama3_patches.unapply(["lora-count-forwarding"])
-out["unpatched"] = calls(runner())
-print("RESULT " + json.dumps(out))
-"""
+def forwarding_child() -> dict:
+    """One profile's child: the runner's calls with the patch, then without it."""
+    import inspect
+    import sys
+
+    cpu_imports()
+    import drama3_patches
+
+    drama3_patches.apply()
+    import vllm_omni.worker_v2.omni_model_runner as omni_model_runner
+
+    from drama3_patches.patches._npu_omni_ar_runner import NPUOmniARModelRunner
+
+    out = {"omni_runner_file": sys.modules["vllm_omni.worker_v2.omni_ar_model_runner"].__file__}
+    st = {p["id"]: p for p in drama3_patches.status()["patches"]}["lora-count-forwarding"]
+    out.update(state=st["state"], reason=st["reason"], targets=st["targets"])
+    out["params"] = {n: (p.default is inspect.Parameter.empty) for n, p in
+                     inspect.signature(NPUOmniARModelRunner.prepare_inputs).parameters.items()}
+    out["qualname"] = NPUOmniARModelRunner.prepare_inputs.__qualname__
+    out["mro"] = [c.__name__ for c in NPUOmniARModelRunner.__mro__[:5]]
+    omni_model_runner.get_num_active_loras_for_dispatch = lambda lora_config, lora_state, req_ids, dummy: 2
+    out["patched"] = _calls(_runner())
+    drama3_patches.unapply(["lora-count-forwarding"])
+    out["unpatched"] = _calls(_runner())
+    return out
 
 
 def _run(ascend: str) -> dict:
-    proc = run_python(CHILD, env=npu_env(), pythonpath=profile_paths(ascend))
-    return json.loads(proc.stdout.split("RESULT ")[-1])
+    # A fresh interpreter started with the engine enabled (the start-up hook patches on import, as
+    # deployed); one per profile, read by the tests below.
+    return call(forwarding_child, env=npu_env(), pythonpath=profile_paths(ascend))
 
 
 @pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
