@@ -12,43 +12,26 @@ manager.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 
 from support.replicas import ASCEND_032, ASCEND_FIXED, ASCEND_MAIN, npu_env, profile, profile_paths
-from support.subproc import run_python
+from support.subproc import ChildFailed, call
 
 pytestmark = pytest.mark.vllm
 
 TARGET = "vllm_ascend.patch.platform.patch_mamba_manager:AscendMambaManager.get_num_blocks_to_allocate"
 
-CHILD = r"""
-import importlib, inspect, json, sys
-import torch
-from vllm.sampling_params import SamplingParams
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-from vllm.v1.request import Request
-
-import drama3_patches
-from drama3_patches._bootstrap import installed_finder
-import vllm_omni  # a vLLM-Omni stage's engine core has it loaded
-
-TARGET = %(target)r
-out = {"hook": installed_finder() is not None}
-if not out["hook"]:
-    drama3_patches.apply()
-
-import vllm_ascend.utils
-vllm_ascend.utils.adapt_patch(is_global_patch=True)  # vLLM-Ascend's global patches, engine-core side
-register_all_kvcache_specs(None)
-pm = sys.modules["vllm_ascend.patch.platform.patch_mamba_manager"]
+# Every child here is a fresh interpreter started with the engine enabled: the start-up hook
+# patches vLLM-Ascend's module as it imports, as in an engine-core process.
 
 
-def manager():
+def _manager():
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
     groups = [
         KVCacheGroupSpec(["attn.0"], FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)),
         KVCacheGroupSpec(["mamba.0"], MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,))),
@@ -57,69 +40,118 @@ def manager():
     return KVCacheManager(config, max_model_len=256, scheduler_block_size=16, hash_block_size=16, enable_caching=False)
 
 
-try:  # vllm-omni 0.32.0rc1: OmniARScheduler.__init__ offers its KV manager a decode fast path
-    from vllm_omni.core.sched.fast_allocate import install_decode_allocate_fast_path
-except ImportError:  # 0.31.0rc1 has none
-    install_decode_allocate_fast_path = None
-out["omni"] = sys.modules["vllm_omni"].__version__ if "vllm_omni" in sys.modules else None
-
-
-def step(rid):
-    m = manager()
-    if install_decode_allocate_fast_path is not None:
-        out["omni_fast_path"] = install_decode_allocate_fast_path(m)
-    req = Request(rid, list(range(40)), SamplingParams(max_tokens=4), None)
-    try:
-        blocks = m.allocate_slots(req, 40)
-    except TypeError as exc:
-        return "TypeError: " + str(exc)
-    return {"managers": [type(x).__name__ for x in m.coordinator.single_type_managers],
-            "blocks": [len(b) for b in blocks.get_block_ids()]}
-
-
-def depth(func):
+def _depth(func):
     n = 0
     while hasattr(func, "__wrapped__"):
         func, n = func.__wrapped__, n + 1
     return n
 
 
-def mine():
+def _mine():
+    import drama3_patches
+
     return {p["id"]: p for p in drama3_patches.status()["patches"]}["mamba-prefill-end"]
 
 
-cls = pm.AscendMambaManager
-meth = cls.__dict__["get_num_blocks_to_allocate"]
-st = mine()
-out.update(state=st["state"], reason=st["reason"], targets=st["targets"])
-out["params"] = list(inspect.signature(meth).parameters)
-out["qualname"] = meth.__qualname__
-out["depth"] = depth(meth)
-out["step"] = step("a")
-# Positional prefill_end (the ninth parameter in vLLM's signature) is accepted as well.
-m = manager()
-m.coordinator.single_type_managers[1].req_to_blocks["p"]
-out["positional"] = cls.get_num_blocks_to_allocate(m.coordinator.single_type_managers[1], "p", 16, [], 0, 0, 16, False, 40)
-if st["state"] == "applied":
-    original = drama3_patches.get_original(TARGET)
-    drama3_patches.unapply(["mamba-prefill-end"])
-    out["restored_exactly"] = cls.__dict__["get_num_blocks_to_allocate"] is original
-    out["step_unpatched"] = step("b")
-    drama3_patches.apply(["mamba-prefill-end"])
-    drama3_patches.apply(["mamba-prefill-end"])
-    out["depth_after_apply_twice"] = depth(cls.__dict__["get_num_blocks_to_allocate"])
-    fresh = importlib.reload(pm).AscendMambaManager
-    out["reload_new_class"] = fresh is not cls
-    out["depth_after_reload"] = depth(fresh.__dict__["get_num_blocks_to_allocate"])
-    out["state_after_reload"] = mine()["state"]
-print("RESULT " + json.dumps(out))
-"""
+def allocation_child() -> dict:
+    import importlib
+    import inspect
+    import sys
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.request import Request
+
+    import drama3_patches
+    from drama3_patches._bootstrap import installed_finder
+    import vllm_omni  # noqa: F401  (a vLLM-Omni stage's engine core has it loaded)
+
+    out = {"hook": installed_finder() is not None}
+    if not out["hook"]:
+        drama3_patches.apply()
+
+    import vllm_ascend.utils
+
+    vllm_ascend.utils.adapt_patch(is_global_patch=True)  # vLLM-Ascend's global patches, engine-core side
+    register_all_kvcache_specs(None)
+    pm = sys.modules["vllm_ascend.patch.platform.patch_mamba_manager"]
+
+    try:  # vllm-omni 0.32.0rc1: OmniARScheduler.__init__ offers its KV manager a decode fast path
+        from vllm_omni.core.sched.fast_allocate import install_decode_allocate_fast_path
+    except ImportError:  # 0.31.0rc1 has none
+        install_decode_allocate_fast_path = None
+    out["omni"] = sys.modules["vllm_omni"].__version__ if "vllm_omni" in sys.modules else None
+
+    def step(rid):
+        m = _manager()
+        if install_decode_allocate_fast_path is not None:
+            out["omni_fast_path"] = install_decode_allocate_fast_path(m)
+        req = Request(rid, list(range(40)), SamplingParams(max_tokens=4), None)
+        try:
+            blocks = m.allocate_slots(req, 40)
+        except TypeError as exc:
+            return "TypeError: " + str(exc)
+        return {"managers": [type(x).__name__ for x in m.coordinator.single_type_managers],
+                "blocks": [len(b) for b in blocks.get_block_ids()]}
+
+    cls = pm.AscendMambaManager
+    meth = cls.__dict__["get_num_blocks_to_allocate"]
+    st = _mine()
+    out.update(state=st["state"], reason=st["reason"], targets=st["targets"])
+    out["params"] = list(inspect.signature(meth).parameters)
+    out["qualname"] = meth.__qualname__
+    out["depth"] = _depth(meth)
+    out["step"] = step("a")
+    # Positional prefill_end (the ninth parameter in vLLM's signature) is accepted as well.
+    m = _manager()
+    m.coordinator.single_type_managers[1].req_to_blocks["p"]
+    out["positional"] = cls.get_num_blocks_to_allocate(m.coordinator.single_type_managers[1], "p", 16, [], 0, 0, 16,
+                                                       False, 40)
+    if st["state"] == "applied":
+        original = drama3_patches.get_original(TARGET)
+        drama3_patches.unapply(["mamba-prefill-end"])
+        out["restored_exactly"] = cls.__dict__["get_num_blocks_to_allocate"] is original
+        out["step_unpatched"] = step("b")
+        drama3_patches.apply(["mamba-prefill-end"])
+        drama3_patches.apply(["mamba-prefill-end"])
+        out["depth_after_apply_twice"] = _depth(cls.__dict__["get_num_blocks_to_allocate"])
+        fresh = importlib.reload(pm).AscendMambaManager
+        out["reload_new_class"] = fresh is not cls
+        out["depth_after_reload"] = _depth(fresh.__dict__["get_num_blocks_to_allocate"])
+        out["state_after_reload"] = _mine()["state"]
+    return out
 
 
 def _run(paths, extra_env=None):
-    proc = run_python(CHILD % {"target": TARGET}, env=npu_env(**(extra_env or {})), pythonpath=paths)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return call(allocation_child, env=npu_env(**(extra_env or {})), pythonpath=paths)
+
+
+def import_targets_child() -> list:
+    from drama3_patches.engine import get_engine
+
+    get_engine().import_targets()
+    st = _mine()
+    return [st["state"], st["reason"]]
+
+
+def import_manager_child() -> None:
+    import drama3_patches
+
+    drama3_patches.apply()
+    import vllm_ascend.patch.platform.patch_mamba_manager  # noqa: F401
+
+
+def status_child() -> list:
+    st = _mine()
+    return [st["state"], st["reason"]]
+
+
+def global_patches_child() -> None:
+    import drama3_patches
+    from vllm_ascend.utils import adapt_patch
+
+    drama3_patches.apply()
+    adapt_patch(is_global_patch=True)
 
 
 @pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
@@ -190,17 +222,7 @@ def test_missing_manager_module_inside_the_range_fails_naming_it(tmp_path):
     root = tmp_path / "ascend_without_mamba_manager"
     shutil.copytree(profile(ASCEND_MAIN), root)
     (root / "vllm_ascend/patch/platform/patch_mamba_manager.py").unlink()
-    proc = run_python(
-        """
-        import json, drama3_patches
-        from drama3_patches.engine import get_engine
-        get_engine().import_targets()
-        st = {p["id"]: p for p in drama3_patches.status()["patches"]}["mamba-prefill-end"]
-        print("RESULT " + json.dumps([st["state"], st["reason"]]))
-        """,
-        env=npu_env(), pythonpath=[root],
-    )
-    state, reason = json.loads(proc.stdout.split("RESULT ")[-1])
+    state, reason = call(import_targets_child, env=npu_env(), pythonpath=[root])
     assert state == "failed"
     assert "ModuleNotFoundError" in reason and "patch_mamba_manager" in reason
 
@@ -210,28 +232,15 @@ def test_other_import_errors_of_the_ascend_module_propagate(tmp_path):
     shutil.copytree(profile(ASCEND_MAIN), root)
     module = root / "vllm_ascend/patch/platform/patch_mamba_manager.py"
     module.write_text("raise ImportError('libascend_hal.so: cannot open shared object file')\n")
-    proc = run_python(
-        """
-        import drama3_patches
-        drama3_patches.apply()
-        import vllm_ascend.patch.platform.patch_mamba_manager
-        """,
-        env=npu_env(), pythonpath=[root], check=False,
-    )
+    with pytest.raises(ChildFailed) as failed:
+        call(import_manager_child, env=npu_env(), pythonpath=[root])
+    proc = failed.value.proc
     assert proc.returncode == 1
     assert "ImportError: libascend_hal.so: cannot open shared object file" in proc.stderr
 
 
 def test_skipped_without_vllm_ascend():
-    proc = run_python(
-        """
-        import json, drama3_patches
-        st = {p["id"]: p for p in drama3_patches.status()["patches"]}["mamba-prefill-end"]
-        print("RESULT " + json.dumps([st["state"], st["reason"]]))
-        """,
-        env=npu_env(),
-    )
-    state, reason = json.loads(proc.stdout.split("RESULT ")[-1])
+    state, reason = call(status_child, env=npu_env())
     assert state == "skipped"
     assert "vllm-ascend" in reason
 
@@ -248,13 +257,5 @@ def test_another_override_without_prefill_end_is_named(tmp_path):
         "\n\n    def _needs_internal_checkpoint(self, request_id, query_start, query_end, checkpoint_position):\n"
         "        return False\n" + anchor
     )))
-    proc = run_python(
-        """
-        import drama3_patches
-        drama3_patches.apply()
-        from vllm_ascend.utils import adapt_patch
-        adapt_patch(is_global_patch=True)
-        """,
-        env=npu_env(VLLM_LOGGING_LEVEL="WARNING"), pythonpath=[root],
-    )
-    assert "AscendMambaManager._needs_internal_checkpoint also lacks prefill_end" in proc.stderr + proc.stdout
+    out = call(global_patches_child, env=npu_env(VLLM_LOGGING_LEVEL="WARNING"), pythonpath=[root], with_output=True)
+    assert "AscendMambaManager._needs_internal_checkpoint also lacks prefill_end" in out["output"]
