@@ -5,13 +5,12 @@ make this host look like an Ascend one, skipped or failed with the reason otherw
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
-from support.replicas import ASCEND_032, ASCEND_MAIN, installed, npu_env, npu_worker_prelude, profile_paths
-from support.subproc import child_env, run_cli
+from support.replicas import ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths
+from support.subproc import call, run_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -26,12 +25,24 @@ def _parse(proc) -> dict:
     return got | {"_versions": data["versions"], "_rc": proc.returncode}
 
 
+def status_child() -> dict:
+    """The command, run after the NPU runner stand-ins are put in the real package."""
+    import contextlib
+    import io
+
+    from drama3_patches.tools import main
+
+    enter_npu_workers()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(ARGS)
+    return {"returncode": rc, "stdout": out.getvalue()}
+
+
 def _status_with_npu_workers(ascend: str) -> dict:
-    # The command, run after the prelude that puts the NPU runner stand-ins in the real package.
-    code = npu_worker_prelude() + f"import sys\nfrom drama3_patches.tools import main\nsys.exit(main({ARGS!r}))\n"
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(npu_env(), profile_paths(ascend)),
-                          capture_output=True, text=True, timeout=600)
-    return _parse(proc)
+    # A fresh interpreter started with the engine enabled, as `drama3-patches status` is.
+    got = call(status_child, env=npu_env(), pythonpath=profile_paths(ascend), timeout=600)
+    return _parse(SimpleNamespace(stderr="", **got))
 
 
 @pytest.mark.parametrize("ascend", [ASCEND_MAIN, ASCEND_032])
