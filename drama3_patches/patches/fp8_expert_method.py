@@ -1,15 +1,16 @@
 """fp8-expert-method: Block-FP8 routed experts get an Ascend MoE method on NPU.
 
-Record: ``patches_manifest.yaml``, id ``fp8-expert-method`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``fp8-expert-method`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
 Layout: ``plan`` wraps ``ExpertFp8Config.get_quant_method`` with ``build``; the wrapper answers
-routed-expert layers (``is_routed_experts``) with ``_ascend_fp8_moe_method`` where ``has_mxfp8``,
-else with a class made by ``expanded_method_class`` on vLLM-Ascend's bf16 method.  That class
-loads through ``_into_host`` (the checkpoint's fp8 data lands in host buffers kept under
-``_HOST_ATTR`` on the layer) and ``expand_layer`` writes the bf16 device weights with
+routed-expert layers (``is_routed_experts``) with ``_ascend_fp8_moe_method`` where
+``has_mxfp8``, else with a class made by ``expanded_method_class`` on vLLM-Ascend's bf16 method.
+That class loads through ``_into_host`` (the checkpoint's fp8 data lands in host buffers kept
+under ``_HOST_ATTR`` on the layer) and ``expand_layer`` writes the bf16 device weights with
 ``drama3_patches.kernels.fp8``; ``_finish_like_base`` then runs the part of the base method's
-post-processing that follows its transposes.  Extra keywords (``tid2eid``) go through
+post-processing that follows its transposes. Extra keywords (``tid2eid``) go through
 ``patchlib.call_accepting``.
 """
 

@@ -1,19 +1,23 @@
 """gdn-backbone-ascend: off CUDA the Drama 3 backbone keeps vLLM's Qwen GDN layers.
 
-Record: ``patches_manifest.yaml``, id ``gdn-backbone-ascend`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``gdn-backbone-ascend`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
-Layout: ``build`` wraps ``install_drama3_gdn`` and asks ``_platform()`` (vLLM's current platform)
-on every call, not once at import; ``swaps_here`` is the feature detection, run on a bare layer
-from ``_bare_layer``.
+Layout: ``build`` wraps ``install_drama3_gdn`` in a wrapt ``FunctionWrapper`` (same signature,
+introspection reads through) that asks ``_platform()`` (vLLM's current platform) on every call,
+not once at import; ``swaps_here`` is the feature detection, run on a bare layer from
+``_bare_layer``.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, wrap
+from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
 
 logger = init_logger(__name__)
 
@@ -31,12 +35,14 @@ def _gdn_class(original) -> type:
 
 def build(original):
     gdn_cls = _gdn_class(original)
+    signature = inspect.signature(original)
+    model_param = next(iter(signature.parameters))
 
-    @wrap(original)
-    def install_drama3_gdn(model: torch.nn.Module) -> int:
+    def install_drama3_gdn(wrapped, instance, args, kwargs) -> int:
         platform = _platform()
         if platform.is_cuda():
-            return original(model)
+            return wrapped(*args, **kwargs)
+        model = signature.bind(*args, **kwargs).arguments[model_param]
         kept = sum(1 for module in model.modules() if type(module) is gdn_cls)
         logger.info(
             "gdn-backbone-ascend: platform %r is not CUDA: kept %d Qwen GDN layer(s) on %s "
@@ -45,7 +51,8 @@ def build(original):
         )
         return 0
 
-    return install_drama3_gdn
+    # Same signature as the published function: a FunctionWrapper, introspection reads through.
+    return function_wrapper(original, install_drama3_gdn)
 
 
 def _bare_layer(gdn_cls: type) -> torch.nn.Module:

@@ -1,7 +1,8 @@
 """lora-count-forwarding: the NPU Omni V2 AR runner hands ``num_active_loras`` on when it can.
 
-Record: ``patches_manifest.yaml``, id ``lora-count-forwarding`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``lora-count-forwarding`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
 Layout: ``parent_method`` finds the next ``prepare_inputs`` in the MRO; ``_signatures`` reads it
 once, when ``plan`` runs (at import of the runner module), and ``build`` returns a wrapper whose

@@ -1,7 +1,8 @@
 """mamba-prefill-end: vLLM-Ascend's Mamba manager accepts the ``prefill_end`` vLLM passes.
 
-Record: ``patches_manifest.yaml``, id ``mamba-prefill-end`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``mamba-prefill-end`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
 Layout: ``needs_prefill_end`` compares the Ascend method's signature with the one it overrides
 (``patchlib.overridden``); ``_build`` makes a plain function with the widened signature

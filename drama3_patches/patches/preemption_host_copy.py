@@ -1,11 +1,13 @@
 """preemption-host-copy: a preempted Drama 3 request parks its generated codes on the host.
 
-Record: ``patches_manifest.yaml``, id ``preemption-host-copy`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``preemption-host-copy`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
-Layout: ``build`` runs the original, then ``park_on_host`` replaces the parked ``PARKED`` tensors
-that ``needs_host_copy``.  Feature detection (``parks_off_host``) runs the method's own body,
-copied by ``_own_body`` with its ``super()`` pointed at ``_QuietParent``, on ``meta`` buffers.
+Layout: ``build`` (a wrapt ``FunctionWrapper``) runs the original, then ``park_on_host``
+replaces the parked ``PARKED`` tensors that ``needs_host_copy``. Feature detection
+(``parks_off_host``) runs the method's own body, copied by ``_own_body`` with its ``super()``
+pointed at ``_QuietParent``, on ``meta`` buffers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, wrap
+from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
 
 logger = init_logger(__name__)
 
@@ -49,13 +51,13 @@ def build(original):
     # The request id is the parking key: the published parameter name, else the first after self.
     key = "req_id" if "req_id" in signature.parameters else list(signature.parameters)[1]
 
-    @wrap(original)
-    def on_request_preempted(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        park_on_host(self, signature.bind(self, *args, **kwargs).arguments[key])
+    def on_request_preempted(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        park_on_host(instance, signature.bind(instance, *args, **kwargs).arguments[key])
         return result
 
-    return on_request_preempted
+    # Same signature as the published method: a FunctionWrapper, bound as the method was.
+    return function_wrapper(original, on_request_preempted)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """qwen3next-eager-attention: no Qwen3-Next attention layer that reads vLLM's fused-kernel flag selects the
 Triton QK-RMSNorm / RoPE / gate kernel on NPU.
 
-Record: ``patches_manifest.yaml``, id ``qwen3next-eager-attention`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``qwen3next-eager-attention`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
 Layout: ``plan`` runs the not-needed checks in the manifest's order (``is_eager_class``,
-``forward_in_effect`` read through its code names, ``_platform_selects_fused``); ``_build`` wraps
-``__init__`` and checks each built layer with ``check_eager`` (``EagerPathError`` names the
-layer prefix).  The wrapper carries ``MARKER`` so a second look at the class sees it.
+``forward_in_effect`` read through its code names, ``_platform_selects_fused``); ``_build``
+wraps ``__init__`` and checks each built layer with ``check_eager`` (``EagerPathError`` names
+the layer prefix). The wrapper carries ``MARKER`` so a second look at the class sees it.
 """
 
 from __future__ import annotations

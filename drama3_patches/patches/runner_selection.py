@@ -1,11 +1,12 @@
 """runner-selection: each vLLM-Omni stage on NPU runs the model runner its deploy config names.
 
-Record: ``patches_manifest.yaml``, id ``runner-selection`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``runner-selection`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
 Layout: one builder per target in ``_BUILDERS`` (``_deploy_loader``, ``_ar_init``,
-``_generation_init``, ``_ar_init_device``).  The loader is probed by ``_refuses_v2_on_npu`` and
-merges the ``npu`` section under ``NPU_ALIAS``.  The V2 runner class comes from
+``_generation_init``, ``_ar_init_device``). The loader is probed by ``_refuses_v2_on_npu`` and
+merges the ``npu`` section under ``NPU_ALIAS``. The V2 runner class comes from
 ``shipped_npu_v2_ar_runner`` (one the installed vLLM-Omni ships) or ``npu_omni_ar_runner_class``
 (``_npu_omni_ar_runner``, imported only then: it pulls in both V2 runners), and is built inside
 vLLM-Ascend's ``torch_cuda_wrapper()`` (``_built_under_cuda_wrapper``).

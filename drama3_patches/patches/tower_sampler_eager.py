@@ -1,13 +1,14 @@
 """tower-sampler-eager: Drama 3's Triton entry points run eager torch off CUDA.
 
-Record: ``patches_manifest.yaml``, id ``tower-sampler-eager`` (why, how, upstream change, remove-when;
-``drama3-patches list --verbose`` prints it).  Below: only what reading this code needs.
+Record: ``patches_manifest.yaml``, id ``tower-sampler-eager`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
 
 Layout: ``KERNELS`` maps each target's name to its eager kernel in ``drama3_patches.kernels``;
-``kernel_for`` loads it and fails the patch, naming both, when its parameters (``_shape``: names,
-kinds, defaults) differ from the target's.  ``_build`` dispatches on the first tensor argument.
-Feature detection (``upstream_dispatch``) runs ``_probe_copy`` of the entry point, whose
-module-level Triton kernels are replaced by ``_NoLaunch`` (raising ``_Launch``), on the
+``kernel_for`` loads it and fails the patch, naming both, when its parameters (``_shape``:
+names, kinds, defaults) differ from the target's. ``_build`` dispatches on the first tensor
+argument. Feature detection (``upstream_dispatch``) runs ``_probe_copy`` of the entry point,
+whose module-level Triton kernels are replaced by ``_NoLaunch`` (raising ``_Launch``), on the
 ``_probe_calls`` arguments made of ``meta`` tensors.
 """
 
