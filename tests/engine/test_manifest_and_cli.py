@@ -41,6 +41,27 @@ def test_shipped_implementations_exist():
         assert callable(getattr(importlib.import_module(module), func)), p.id
 
 
+def _words(text: str) -> list[str]:
+    return "".join(c.lower() if c.isalnum() else " " for c in text).split()
+
+
+def test_patch_docstrings_point_to_their_record_without_restating_it():
+    """One record per patch: the module names its manifest entry; no 10-word run of why/how repeats."""
+    import ast
+
+    for p in load_manifest(SHIPPED).patches:
+        module = p.implementation.split(":")[0]
+        path = ROOT / (module.replace(".", "/") + ".py")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "``patches_manifest.yaml``" in doc and f"id ``{p.id}``" in doc, (p.id, doc[:200])
+        doc_words = " ".join(_words(doc))
+        for fld in ("why", "how", "upstream", "remove_when"):
+            words = _words(getattr(p, fld))
+            runs = {" ".join(words[i:i + 10]) for i in range(len(words) - 9)}
+            repeated = sorted(r for r in runs if r in doc_words)
+            assert not repeated, (p.id, fld, repeated[:1])
+
+
 def test_bootstrap_scan_agrees_with_yaml():
     text = SHIPPED.read_text()
     from_yaml = []
