@@ -8,7 +8,7 @@ References (vLLM 0.31 / 0.32, tier 2):
   the eager branch of ``Qwen3NextAttention._project_qkv_gate`` chains them
   (split, ``GemmaRMSNorm.forward_native`` per head, ``RotaryEmbedding``
   native forward), in this process; (b) ``_project_qkv_gate`` of a real
-  ``Qwen3NextAttention`` layer built on the CPU in a child process (TP=1 gloo
+  ``Qwen3NextAttention`` layer built on the CPU in a forked test (TP=1 gloo
   group, a CPU ``VllmConfig``; only the ``Attention`` backend object is
   replaced there, because choosing a CPU backend needs a full model config
   and the QK path never touches it).

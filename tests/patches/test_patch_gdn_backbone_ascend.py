@@ -172,15 +172,7 @@ def test_on_npu_the_backbone_keeps_vllms_gdn_and_cuda_still_swaps(tmp_path, monk
 
     # CUDA unchanged: with vLLM's platform answering CUDA the published swap runs.
     real = vp.current_platform
-
-    class SaysCuda:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def is_cuda(self):
-            return True
-
-    vp._current_platform = SaysCuda()
+    vp._current_platform = fake_npu.SaysCuda(real)
     backbone = _backbone(vllm_config, text_config)
     assert _install(backbone) == 2
     assert [type(m) for m in _gdn_layers(backbone)] == [gdn.Drama3GatedDeltaNet] * 2

@@ -20,6 +20,7 @@ from support.subproc import call
 from support.tiers import TORCH_ABSENT
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
+from support import fake_npu  # noqa: E402  (imports torch)
 
 pytestmark = pytest.mark.vllm
 
@@ -35,19 +36,6 @@ class NoBackendAttention(torch.nn.Module):
 
     def forward(self, q, k, v):
         return q
-
-
-class SaysCuda:
-    """vLLM's platform check answering CUDA."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def is_cuda(self):
-        return True
 
 
 _ENTERED = []
@@ -91,7 +79,7 @@ def _reload_saying_cuda(qn):
     import vllm.platforms as vllm_platforms
 
     real = vllm_platforms.current_platform
-    vllm_platforms.current_platform = SaysCuda(real)
+    vllm_platforms.current_platform = fake_npu.SaysCuda(real)
     try:
         importlib.reload(qn)
     finally:

@@ -59,6 +59,7 @@ __all__ = [
     "enable",
     "is_fake_npu",
     "record_transfers",
+    "SaysCuda",
     "to_npu",
     "vllm_on_npu",
 ]
@@ -332,6 +333,20 @@ def enable() -> None:
     _LIB.impl("empty_strided", _empty_strided, "PrivateUse1")
     _LIB.impl("_copy_from", _copy_from, "PrivateUse1")
     _ENABLED = True
+
+
+class SaysCuda:
+    """A vLLM platform that answers ``is_cuda()`` with True and is ``real`` otherwise: the case a
+    patch that keys on vLLM's platform check must handle (no CUDA here)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def is_cuda(self) -> bool:
+        return True
 
 
 def vllm_on_npu() -> None:

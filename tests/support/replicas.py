@@ -1,4 +1,4 @@
-"""Upstream stand-ins (tests/replicas/): where they are and how a child process uses them.
+"""Upstream stand-ins (tests/replicas/): where they are and how a forked test or a child uses them.
 
 Two kinds, both for code that cannot import on this CPU host:
 
@@ -6,7 +6,7 @@ Two kinds, both for code that cannot import on this CPU host:
   dist-info (so version guards read it). vllm-ascend is not installed here, so nothing is shadowed.
 * vllm-omni NPU runner stand-ins (``omni_npu_<version>``), one per published vllm-omni: only the
   modules of ``vllm_omni/platforms/npu/worker/`` that import vllm-ascend internals (the NPU model
-  runners). They are never a sys.path root: :func:`npu_worker_prelude` puts their folder at the
+  runners). They are never a sys.path root: :func:`enter_npu_workers` puts their folder at the
   front of the REAL installed package's ``__path__``, so everything else -- the NPU workers
   themselves, ``vllm_omni.config``, ``worker_v2`` -- is the published code.
 """
@@ -73,29 +73,10 @@ def omni_npu_runners(version: str | None = None) -> Path:
     return profile(OMNI_NPU_RUNNERS[version]) / NPU_WORKER_PACKAGE.replace(".", "/")
 
 
-# flashinfer 0.7 (a vLLM dependency) reads CUDA device properties at import, and diffusers imports
-# it whenever it is installed; vllm_omni.worker_v2 reaches diffusers. Off CUDA, tell diffusers it
-# is absent, as it would be on a host without it.
-CPU_IMPORT_PRELUDE = """
-import torch as _torch
-if not _torch.cuda.is_available():
-    import diffusers.utils.import_utils as _diffusers_imports
-    _diffusers_imports._flashinfer_available = False
-"""
-
-
-def npu_worker_prelude(version: str | None = None) -> str:
-    """Code a child runs first: the real vllm-omni NPU worker package, with the runner stand-ins
-    for ``version`` found before the published runner modules (which need vllm-ascend internals)."""
-    folder = omni_npu_runners(version)
-    return CPU_IMPORT_PRELUDE + (
-        f"import {NPU_WORKER_PACKAGE} as _npu_worker_package\n"
-        f"_npu_worker_package.__path__.insert(0, {str(folder)!r})\n"
-    )
-
-
 def cpu_imports() -> None:
-    """:data:`CPU_IMPORT_PRELUDE`, as a call."""
+    """Off CUDA, tell diffusers that flashinfer is absent, as it would be on a host without it:
+    flashinfer 0.7 (a vLLM dependency) reads CUDA device properties at import, and diffusers
+    imports it whenever it is installed; vllm_omni.worker_v2 reaches diffusers."""
     import torch
 
     if not torch.cuda.is_available():
@@ -105,8 +86,9 @@ def cpu_imports() -> None:
 
 
 def enter_npu_workers(version: str | None = None) -> None:
-    """:func:`npu_worker_prelude`, as a call: the real vllm-omni NPU worker package, with the runner
-    stand-ins for ``version`` found before the published runner modules."""
+    """In a child or a forked test, first: the real vllm-omni NPU worker package, with the runner
+    stand-ins for ``version`` found before the published runner modules (which need vLLM-Ascend
+    internals)."""
     import importlib
 
     cpu_imports()

@@ -68,14 +68,6 @@ def run_python(code: str, env: dict | None = None, pythonpath: list | None = Non
     return _run([sys.executable, "-c", textwrap.dedent(code), *(args or [])], env, pythonpath, timeout, check)
 
 
-def result_of(proc: subprocess.CompletedProcess, tag: str = "RESULT"):
-    """The JSON a ``run_python`` child printed last behind ``tag`` (``print(tag + json.dumps(...))``)."""
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag)]
-    if not lines:
-        raise AssertionError(f"the child printed no {tag} line\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
-    return json.loads(lines[-1][len(tag):])
-
-
 def run_cli(*argv: str, env: dict | None = None, pythonpath: list | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """``drama3-patches ARGV`` as a fresh process (through ``python -m``, so no install is needed)."""

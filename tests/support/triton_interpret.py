@@ -1,6 +1,6 @@
 """Run the published Triton kernels on CPU with Triton's interpreter (reference for eager kernels).
 
-Use in a fresh process, before anything imports a module that defines Triton
+Use in a fresh interpreter (``support.subproc.call``), before anything imports a module that defines Triton
 kernels (``vllm_omni...fish_omni.kernels``, ``vllm...fused_qk_norm_rope``)::
 
     from support import triton_interpret
