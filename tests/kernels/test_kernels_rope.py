@@ -30,6 +30,7 @@ from __future__ import annotations
 import pytest
 
 from support.tiers import TORCH_ABSENT
+from support.vllm_state import tp1_group
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels.qk_norm_rope_gate import qk_norm_rope_gate  # noqa: E402
@@ -163,21 +164,16 @@ class NoBackendAttention(torch.nn.Module):  # the attention backend is not on th
 @pytest.mark.forked
 def test_qk_norm_rope_gate_matches_real_qwen3next_layer():
     # Forked: a TP group and vLLM's current config for the rest of the process.
-    import tempfile
-
     import vllm.model_executor.models.qwen3_next as qn
     from transformers import Qwen3NextConfig
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     qn.Attention = NoBackendAttention
     cfg = Qwen3NextConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
                           partial_rotary_factor=0.25, max_position_embeddings=4096, rms_norm_eps=1e-6)
     checked = 0
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method="file://" + tempfile.mktemp())
-        initialize_model_parallel(1, 1)
+        tp1_group()
         for dtype in DTYPES:
             torch.set_default_dtype(dtype)
             try:

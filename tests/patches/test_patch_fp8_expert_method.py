@@ -14,6 +14,7 @@ from support.replicas import (
 )
 from support.subproc import call
 from support.tiers import TORCH_ABSENT
+from support.vllm_state import enter_config
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels.fp8 import reference_dequant  # noqa: E402
@@ -43,19 +44,6 @@ def _enable_patch(monkeypatch):
     prepend_profiles(ASCEND_MAIN)
     ExpertFp8Config = _published_config_class()
     return apply_on_npu(monkeypatch, "fp8-expert-method"), ExpertFp8Config
-
-
-_ENTERED = []  # the entered context managers: collecting one would leave the config again
-
-
-def _enter_vllm_config():
-    """What vLLM's model construction provides: a current config (CustomOp needs one).  Forked
-    tests (or a child): left entered."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-
-    ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
-    ctx.__enter__()
-    _ENTERED.append(ctx)
 
 
 def _experts_layer(prefix="model.layers.0.mlp.experts"):
@@ -101,7 +89,7 @@ def test_published_expert_fp8_config_is_what_the_patch_expects():
 @pytest.mark.forked
 def test_experts_get_the_ascend_method_and_extra_keywords_are_passed_on(monkeypatch):
     d3p, ExpertFp8Config = _enable_patch(monkeypatch)
-    _enter_vllm_config()
+    enter_config()
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm_ascend.device import device_config
     from vllm_ascend.device.hardware import AscendDeviceType
@@ -169,7 +157,7 @@ def test_call_accepting_passes_only_what_the_callee_takes():
 def test_refusals_name_the_layer_mismatched_scales_and_reloads(monkeypatch):
     _, ExpertFp8Config = _enable_patch(monkeypatch)
     fake_npu.enable()
-    _enter_vllm_config()
+    enter_config()
     config = ExpertFp8Config(weight_block_size=[B, B])
 
     # A weight_scale_inv that does not fit its weight: refused, naming the layer and the shapes.
@@ -267,7 +255,7 @@ def expand_on_the_npu() -> dict:
 
     ExpertFp8Config = _published_config_class()
     apply_checked("fp8-expert-method")
-    _enter_vllm_config()
+    enter_config()
     config = ExpertFp8Config(weight_block_size=[B, B])
     layer = _experts_layer()
     method = config.get_quant_method(layer, layer.prefix)

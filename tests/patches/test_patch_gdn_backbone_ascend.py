@@ -23,6 +23,7 @@ import pytest
 
 from support.logs import captured
 from support.replicas import apply_on_npu, needs_fish_omni
+from support.vllm_state import tp1_group
 from support.tiers import TORCH_ABSENT
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
@@ -47,12 +48,9 @@ class AscendGdnBackendStandIn:
 
 def _boot(tmp_path):
     """npu platform for vLLM, a real VllmConfig, TP=1: returns (vllm_config, text_config)."""
-    import tempfile
-
     fake_npu.vllm_on_npu()  # DeviceConfig resolves to the platform's type, npu
     from vllm import ModelRegistry
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm_omni.model_executor.models.fish_omni.configuration_fish_omni import FishOmniConfig
 
     ModelRegistry.register_model(ARCH, ProbeModel)
@@ -66,9 +64,7 @@ def _boot(tmp_path):
     vllm_config = VllmConfig(model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True,
                                                       dtype="float32", max_model_len=64))
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method="file://" + tempfile.mktemp())
-        initialize_model_parallel(1, 1)
+        tp1_group()
     return vllm_config, vllm_config.model_config.hf_text_config
 
 

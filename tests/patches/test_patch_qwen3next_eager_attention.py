@@ -9,7 +9,6 @@ backend needs a full model config, and the QK path never touches it).
 from __future__ import annotations
 
 import importlib
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +17,7 @@ from support.logs import captured
 from support.replicas import ASCEND_HOST_ENV, ASCEND_MAIN, prepend_profiles
 from support.subproc import call
 from support.tiers import TORCH_ABSENT
+from support.vllm_state import enter_config, tp1_group
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from support import fake_npu  # noqa: E402  (imports torch)
@@ -38,9 +38,6 @@ class NoBackendAttention(torch.nn.Module):
         return q
 
 
-_ENTERED = []
-
-
 def _boot(enabled: str, platform: str, device: str = "cpu") -> SimpleNamespace:
     """The engine's environment, a current VllmConfig and a TP=1 group (forked test or child)."""
     import os
@@ -49,16 +46,11 @@ def _boot(enabled: str, platform: str, device: str = "cpu") -> SimpleNamespace:
     import drama3_patches
     import vllm.model_executor.models.qwen3_next as qn
     from transformers import Qwen3NextConfig
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.config import DeviceConfig, VllmConfig
 
     qn.Attention = NoBackendAttention
-    ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device)))
-    ctx.__enter__()
-    _ENTERED.append(ctx)  # left entered for the rest of the process (collecting it would leave it)
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method="file://" + tempfile.mktemp())
-    initialize_model_parallel(1, 1)
+    enter_config(VllmConfig(device_config=DeviceConfig(device=device)))
+    tp1_group()
     return SimpleNamespace(d3p=drama3_patches, qn=qn, cfg=Qwen3NextConfig(**SMALL))
 
 
