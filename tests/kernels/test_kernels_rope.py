@@ -30,7 +30,7 @@ from __future__ import annotations
 import pytest
 
 from support.tiers import TORCH_ABSENT
-from support.vllm_state import tp1_group
+from support.vllm_state import stub_attention, tp1_group
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels.qk_norm_rope_gate import qk_norm_rope_gate  # noqa: E402
@@ -156,11 +156,6 @@ def test_qk_norm_rope_gate_empty_batch(build):
     assert q.shape == (0, 128) and k.shape == (0, 64) and v.shape == (0, 64) and g.shape == (0, 128)
 
 
-class NoBackendAttention(torch.nn.Module):  # the attention backend is not on the QK path
-    def __init__(self, *args, **kwargs):
-        super().__init__()
-
-
 @pytest.mark.forked
 def test_qk_norm_rope_gate_matches_real_qwen3next_layer():
     # Forked: a TP group and vLLM's current config for the rest of the process.
@@ -168,7 +163,7 @@ def test_qk_norm_rope_gate_matches_real_qwen3next_layer():
     from transformers import Qwen3NextConfig
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
-    qn.Attention = NoBackendAttention
+    stub_attention(qn)
     cfg = Qwen3NextConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
                           partial_rotary_factor=0.25, max_position_embeddings=4096, rms_norm_eps=1e-6)
     checked = 0

@@ -17,7 +17,7 @@ from support.logs import captured
 from support.replicas import ASCEND_HOST_ENV, ASCEND_MAIN, prepend_profiles
 from support.subproc import call
 from support.tiers import TORCH_ABSENT
-from support.vllm_state import enter_config, tp1_group
+from support.vllm_state import enter_config, stub_attention, tp1_group
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from support import fake_npu  # noqa: E402  (imports torch)
@@ -30,14 +30,6 @@ SMALL = dict(hidden_size=512, num_attention_heads=4, num_key_value_heads=2, head
              partial_rotary_factor=0.25, max_position_embeddings=4096, rms_norm_eps=1e-6)
 
 
-class NoBackendAttention(torch.nn.Module):
-    def __init__(self, *args, **kwargs):
-        super().__init__()
-
-    def forward(self, q, k, v):
-        return q
-
-
 def _boot(enabled: str, platform: str, device: str = "cpu") -> SimpleNamespace:
     """The engine's environment, a current VllmConfig and a TP=1 group (forked test or child)."""
     import os
@@ -48,7 +40,7 @@ def _boot(enabled: str, platform: str, device: str = "cpu") -> SimpleNamespace:
     from transformers import Qwen3NextConfig
     from vllm.config import DeviceConfig, VllmConfig
 
-    qn.Attention = NoBackendAttention
+    stub_attention(qn)
     enter_config(VllmConfig(device_config=DeviceConfig(device=device)))
     tp1_group()
     return SimpleNamespace(d3p=drama3_patches, qn=qn, cfg=Qwen3NextConfig(**SMALL))
@@ -76,7 +68,7 @@ def _reload_saying_cuda(qn):
         importlib.reload(qn)
     finally:
         vllm_platforms.current_platform = real
-    qn.Attention = NoBackendAttention
+    stub_attention(qn)
     return real
 
 

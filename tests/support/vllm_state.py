@@ -28,3 +28,19 @@ def tp1_group() -> None:
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method="file://" + tempfile.mktemp())
     initialize_model_parallel(1, 1)
+
+
+def stub_attention(module) -> None:
+    """Replace ``module.Attention`` (vLLM's attention layer, as a model module imported it) by a
+    stub whose forward returns the queries: choosing a CPU attention backend needs a full model
+    config, and the paths these tests check (QK norm, RoPE, gate) end before attention."""
+    import torch
+
+    class NoBackendAttention(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+        def forward(self, q, k, v):
+            return q
+
+    module.Attention = NoBackendAttention
