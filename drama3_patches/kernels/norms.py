@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gemma_rms_norm", "gemma_rms_norm_table", "tower_mix_norm"]
+__all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm"]
 
 
-def _gemma_rows(x32: torch.Tensor, weight: torch.Tensor, eps: float, beta: float = 1.0) -> torch.Tensor:
+def gemma_rows_f32(x32: torch.Tensor, weight: torch.Tensor, eps: float, beta: float = 1.0) -> torch.Tensor:
     """Normalise float32 rows ``[..., D]`` with ``weight + beta`` (Gemma: 1); a new float32 tensor
     (``x32`` may be the caller's)."""
     variance = x32.pow(2).mean(dim=-1, keepdim=True)
@@ -53,9 +53,9 @@ def gemma_rms_norm(
     """
     x32 = x.to(torch.float32)
     if residual is None:
-        return _gemma_rows(x32, weight, eps).to(x.dtype)
+        return gemma_rows_f32(x32, weight, eps).to(x.dtype)
     x32 = x32 + residual.to(torch.float32)
-    return _gemma_rows(x32, weight, eps).to(x.dtype), x32.to(x.dtype)
+    return gemma_rows_f32(x32, weight, eps).to(x.dtype), x32.to(x.dtype)
 
 
 def gemma_rms_norm_table(
@@ -72,7 +72,7 @@ def gemma_rms_norm_table(
     ``[codes, D]``.
     """
     s32 = x.to(torch.float32) + _code_rows(code, code_mask, table)
-    return _gemma_rows(s32, weight, eps).to(x.dtype), s32.to(x.dtype)
+    return gemma_rows_f32(s32, weight, eps).to(x.dtype), s32.to(x.dtype)
 
 
 def tower_mix_norm(
@@ -98,6 +98,6 @@ def tower_mix_norm(
         # in-place float32 add: extra's elements are promoted on the fly, no extra buffer
         emb = emb.to(torch.float32).add_(extra).to(dtype)
     out = torch.empty((rows, 2 * dim), dtype=dtype, device=hidden.device)
-    out[:, :dim] = _gemma_rows(emb.to(torch.float32), enorm_weight, eps)
-    out[:, dim:] = _gemma_rows(hidden.to(torch.float32), hnorm_weight, eps)
+    out[:, :dim] = gemma_rows_f32(emb.to(torch.float32), enorm_weight, eps)
+    out[:, dim:] = gemma_rows_f32(hidden.to(torch.float32), hnorm_weight, eps)
     return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .norms import _gemma_rows, gemma_rms_norm
+from .norms import gemma_rows_f32, gemma_rms_norm
 from .rope import apply_rope
 
 __all__ = ["fused_qk_rmsnorm_rope_gate", "qk_norm_rope_gate"]
@@ -170,7 +170,7 @@ def _cos_sin(cache: torch.Tensor, positions: torch.Tensor, rotary_dim: int, mrop
 def _norm_rotate(x, weight, cos, sin, eps, norm_beta, rotary_dim):
     """``[T, H, D]`` heads: RMS norm rounded to ``x.dtype``, then float32 NeoX rotation rounded again."""
     half = rotary_dim // 2
-    normed = _gemma_rows(x.to(torch.float32), weight, eps, norm_beta).to(x.dtype)
+    normed = gemma_rows_f32(x.to(torch.float32), weight, eps, norm_beta).to(x.dtype)
     out = torch.empty(normed.shape, dtype=x.dtype, device=x.device)
     out[..., rotary_dim:] = normed[..., rotary_dim:]
     x1 = normed[..., :half].to(torch.float32)

@@ -20,12 +20,13 @@ import os
 
 import pytest
 
+from drama3_patches.tools.deploy_config import profiles
 from support.replicas import ASCEND_HOST_ENV, apply_checked, has_fish_omni
-from support.subproc import ROOT, call
+from support.subproc import call
 
 pytestmark = pytest.mark.npu
 
-SHIPPED_DEPLOY = ROOT / "drama3_patches/tools/deploy_config/configs/drama3_910b_tp2_ep.yaml"
+SHIPPED_DEPLOY = profiles.profile_file("910b-tp2-ep")
 DEPLOY = os.environ.get("DRAMA3_NPU_DEPLOY") or str(SHIPPED_DEPLOY)
 needs_model = pytest.mark.skipif(not os.environ.get("DRAMA3_NPU_MODEL"),
                                  reason="set DRAMA3_NPU_MODEL to the Drama 3 checkpoint")

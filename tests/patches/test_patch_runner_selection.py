@@ -20,9 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from drama3_patches.tools.deploy_config import profiles
 from support.logs import captured
 from support.replicas import ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths
-from support.subproc import ROOT, call
+from support.subproc import call
 
 pytestmark = pytest.mark.vllm
 
@@ -32,7 +33,7 @@ TARGETS = [
     "vllm_omni.platforms.npu.worker.npu_ar_worker:NPUARWorker.init_device",
     "vllm_omni.platforms.npu.worker.npu_generation_worker:NPUGenerationWorker.__init__",
 ]
-PROFILES = [ROOT / "drama3_patches/tools/deploy_config/configs" / name for name in ("drama3_910b_tp2_ep.yaml", "drama3_mxfp8_1card.yaml")]
+PROFILES = [Path(str(profiles.profile_file(name))) for name in profiles.profile_names()]
 
 # The children below run in fresh interpreters started with the engine enabled: the start-up hook
 # applies runner-selection as vllm-omni's modules import, the path a deployment takes.

@@ -80,12 +80,17 @@ def profile_names() -> list[str]:
     return sorted(PROFILES)
 
 
-def profile_text(name: str) -> str:
+def profile_file(name: str):
+    """The shipped file of profile ``name`` (a ``pathlib.Path`` for an installed package)."""
     if name not in PROFILES:
         raise KeyError(f"unknown deploy profile {name!r}; known: {', '.join(profile_names())}")
     from importlib import resources  # not at import time: the CLI builds its parser from this module
 
-    return resources.files(PACKAGE).joinpath(PROFILES[name]).read_text(encoding="utf-8")
+    return resources.files(PACKAGE).joinpath(PROFILES[name])
+
+
+def profile_text(name: str) -> str:
+    return profile_file(name).read_text(encoding="utf-8")
 
 
 def load_profile(name: str) -> dict[str, Any]:
