@@ -41,6 +41,7 @@ __all__ = [
     "is_proxy",
     "names",
     "overridden",
+    "replace_where_needed",
     "rewrap",
     "unwrap_descriptor",
     "wrap",
@@ -105,6 +106,32 @@ def wrap(original: Callable, *, signature: inspect.Signature | None = None):
         return wrapper
 
     return decorate
+
+
+def replace_where_needed(ctx: PatchContext, needed: Callable[[Callable], bool],
+                         build: Callable[[Callable], Any], *, kind: str, checking: str, fixed: str) -> dict:
+    """The plan of a patch whose feature detection runs the target itself on a probe.
+
+    For each target: one that is not callable is left with the reason; ``needed(original)`` says
+    whether the bug is there. A probe that raises means the target no longer looks like the code
+    the patch fixes, so the patch fails (``RuntimeError`` naming ``checking``); a target that is
+    already fixed makes the whole patch ``not-needed`` (``fixed``). ``checking`` and ``fixed`` are
+    completed after the target's name.
+    """
+    replacements = {}
+    for target in ctx.targets:
+        original = ctx.original(target)
+        if not callable(original):
+            ctx.leave(target, f"{target} is {type(original).__name__}, not a {kind}")
+            continue
+        try:
+            is_needed = needed(original)
+        except Exception as exc:
+            raise RuntimeError(f"{target}: cannot check {checking}: {type(exc).__name__}: {exc}") from exc
+        if not is_needed:
+            raise NotNeeded(f"{target} {fixed}")
+        replacements[target] = build(original)
+    return replacements
 
 
 def function_wrapper(raw: Any, wrapper: Callable) -> Any:

@@ -17,7 +17,7 @@ import inspect
 import torch
 
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
+from drama3_patches.patchlib import PatchContext, function_wrapper, replace_where_needed
 
 logger = init_logger(__name__)
 
@@ -72,18 +72,6 @@ def swaps_here(original) -> bool:
 
 
 def plan(ctx: PatchContext) -> dict:
-    replacements = {}
-    for target in ctx.targets:
-        original = ctx.original(target)
-        if not callable(original):
-            ctx.leave(target, f"{target} is {type(original).__name__}, not a function")
-            continue
-        try:
-            swaps = swaps_here(original)
-        except Exception as exc:
-            raise RuntimeError(f"{target}: cannot check whether it swaps Qwen GDN layers: "
-                               f"{type(exc).__name__}: {exc}") from exc
-        if not swaps:
-            raise NotNeeded(f"{target} already leaves Qwen GDN layers on their class on this platform")
-        replacements[target] = build(original)
-    return replacements
+    return replace_where_needed(ctx, swaps_here, build, kind="function",
+                                checking="whether it swaps Qwen GDN layers",
+                                fixed="already leaves Qwen GDN layers on their class on this platform")

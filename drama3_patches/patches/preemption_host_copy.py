@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
+from drama3_patches.patchlib import PatchContext, function_wrapper, replace_where_needed
 
 logger = init_logger(__name__)
 
@@ -114,19 +114,6 @@ def parks_off_host(method) -> bool:
 
 
 def plan(ctx: PatchContext) -> dict:
-    replacements = {}
-    for target in ctx.targets:
-        original = ctx.original(target)
-        if not callable(original):
-            ctx.leave(target, f"{target} is {type(original).__name__}, not a method")
-            continue
-        try:
-            off_host = parks_off_host(original)
-        except Exception as exc:
-            # The method no longer looks like the one this patch fixes: report it as a failure.
-            raise RuntimeError(f"{target}: cannot check where a preempted request is parked: "
-                               f"{type(exc).__name__}: {exc}") from exc
-        if not off_host:
-            raise NotNeeded(f"{target} already copies the parked history and count to the host off CUDA")
-        replacements[target] = build(original)
-    return replacements
+    return replace_where_needed(ctx, parks_off_host, build, kind="method",
+                                checking="where a preempted request is parked",
+                                fixed="already copies the parked history and count to the host off CUDA")
