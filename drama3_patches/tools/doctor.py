@@ -108,13 +108,31 @@ def _install(dist: str, spec: str) -> str:
     return f'{PIP_PREFIX.get(dist, "pip install")} "{dist}{spec}"'
 
 
+def _narrowest(specs: set[str]) -> str:
+    """One range that every spec in ``specs`` allows: the highest lower bound and the lowest upper
+    bound, so the fix line reads ``>=0.32.0,<0.33`` rather than every patch's range joined. Specs
+    with other operators (``==``, ``!=``, ``~=``) are joined as they are."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    items = [sp for spec in specs for sp in SpecifierSet(spec)]
+    if any(sp.operator not in (">=", ">", "<", "<=") for sp in items):
+        return ",".join(sorted(specs))
+    lows = [sp for sp in items if sp.operator in (">=", ">")]
+    highs = [sp for sp in items if sp.operator in ("<", "<=")]
+    # At equal versions the strict bound is the narrower one.
+    low = max(lows, key=lambda sp: (Version(sp.version), sp.operator == ">"), default=None)
+    high = min(highs, key=lambda sp: (Version(sp.version), sp.operator == "<="), default=None)
+    return ",".join(str(sp) for sp in (low, high) if sp is not None)
+
+
 def check_versions(manifest, installed) -> list[Check]:
     """Each distribution against the ranges of the npu patches that name it (versions.check's rule)."""
     from drama3_patches.versions import check
 
     checks = []
     for dist, pairs in sorted(_ranges(manifest).items()):
-        combined = ",".join(sorted({s for _, s in pairs if s}))
+        combined = _narrowest({s for _, s in pairs if s})
         found = installed(dist)
         if found is None:
             checks.append(Check(dist, False, f"not installed; needed by {', '.join(i for i, _ in pairs)}",

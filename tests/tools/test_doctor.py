@@ -54,7 +54,7 @@ def test_all_ready_exits_zero(tmp_path):
     assert text.splitlines()[-1] == "ready"
     assert "[FAIL]" not in text
     assert "[ok] NPUs: 2 visible; ASCEND_RT_VISIBLE_DEVICES=0,1" in text
-    assert "[ok] vllm: 0.32.0 matches >=0.31,<0.34,>=0.32" in text
+    assert "[ok] vllm: 0.32.0 matches >=0.32,<0.34" in text
     assert "cuda-only" not in text  # a CUDA-only patch's range does not concern an NPU host
 
 
@@ -67,7 +67,7 @@ def test_all_ready_exits_zero(tmp_path):
     ("no_ep", "no drama3_patches entry point in vllm.general_plugins", "pip install --force-reinstall"),
     ("wrong_ep", "drama3_patches points at elsewhere:register", "pip install --force-reinstall"),
     ("old_vllm", "0.31.2 is outside the range of b (these patches would be skipped)",
-     'VLLM_TARGET_DEVICE=empty pip install --no-binary vllm "vllm>=0.31,<0.34,>=0.32"'),
+     'VLLM_TARGET_DEVICE=empty pip install --no-binary vllm "vllm>=0.32,<0.34"'),
     ("bad_version", "vllm-ascend: banana is not a PEP 440 version",
      "build vllm-ascend from source (https://github.com/vllm-project/vllm-ascend) at a version matching >=0.11.0rc0"),
     ("platform_bad", "DRAMA3_PATCHES_PLATFORM='gpu' is not one of npu|cuda|cpu", "unset DRAMA3_PATCHES_PLATFORM"),
@@ -332,3 +332,21 @@ def test_noxfile_runs_the_pairs_doctor_checks(monkeypatch):
         ("0.31.0", "0.31.0rc1"), ("0.32.0", "0.32.0rc1")]
     assert noxfile.TORCH == "torch==2.13.0"
     assert pairings.for_omni("0.30.0") is None and pairings.for_vllm("0.32.3").vllm_omni == "0.32.0rc1"
+
+
+@pytest.mark.parametrize("specs,narrowest", [
+    ({">=0.31.0,<0.33", ">=0.32.0,<0.33"}, ">=0.32.0,<0.33"),
+    ({">=0.31,<0.34", ">=0.32", "<0.33"}, ">=0.32,<0.33"),
+    ({">=0.32", ">0.32", "<=0.40", "<0.40"}, ">0.32,<0.40"),
+    ({">=0.19.1rc0,<0.33"}, ">=0.19.1rc0,<0.33"),
+    ({">=0.31", "!=0.31.1"}, "!=0.31.1,>=0.31"),
+])
+def test_the_fix_line_names_one_range_every_patch_allows(specs, narrowest):
+    from packaging.specifiers import SpecifierSet
+
+    got = doctor._narrowest(specs)
+    assert got == narrowest
+    # The range allows exactly what all the specs together allow, on versions around the bounds.
+    together = SpecifierSet(",".join(specs))
+    for v in ("0.19.0", "0.19.1", "0.30.9", "0.31", "0.31.1", "0.32", "0.32.0", "0.32.5", "0.33", "0.39.9", "0.40", "0.41"):
+        assert SpecifierSet(got).contains(v, prereleases=True) == together.contains(v, prereleases=True), v
