@@ -482,6 +482,11 @@ def dequant_experts(
     call's earlier experts (:class:`_AdaptiveThreads`).  ``kernel`` as in
     :func:`resolve_kernel`.
     """
+    for what, source in (("weights", weights), ("scales", scales)):
+        if isinstance(source, torch.Tensor):
+            # A stacked tensor cannot hand its experts over one at a time (the memory bound).
+            raise TypeError(f"{name}: {what} must be a list or dict of per-expert tensors, not one stacked "
+                            f"tensor; pass list({what}.unbind(0)) and drop your own reference")
     num_experts = out.shape[0]
     if out.dtype != torch.bfloat16 or out.dim() != 3:
         raise ValueError(f"{name}: out must be a 3-D bfloat16 tensor, got {out.dtype} {tuple(out.shape)}")

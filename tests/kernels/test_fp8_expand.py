@@ -143,6 +143,14 @@ def test_wrong_dtype_and_out_shape_errors():
     with pytest.raises(ValueError, match="does not fit out shape"):
         k8.dequant_experts([w], [s], torch.empty(1, 128, 256, dtype=torch.bfloat16), transposed=True)
 
+    # One stacked tensor cannot hand its experts over: a clear error, nothing written.
+    out = torch.full((1, 256, 128), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"weights must be a list or dict .* pass list\(weights.unbind\(0\)\)"):
+        k8.dequant_experts(w.unsqueeze(0), [s], out)
+    with pytest.raises(TypeError, match="scales must be a list or dict"):
+        k8.dequant_experts([w], s.unsqueeze(0), out)
+    assert (out == 7.0).all()
+
 
 class _Handover(list):
     """Records, each time an expert is taken, which earlier experts are already freed."""
