@@ -568,6 +568,20 @@ def test_resample_and_pcm_conversion():
     assert ba.pcm16_to_float(stereo, channels=2).tolist() == pytest.approx([(32766 / 32768) / 2, -1.0])
 
 
+@pytest.mark.parametrize("n", [7, 8, 1000, 1001, 24000, 24001])
+@pytest.mark.parametrize("rate", [8000, 22050, 24000, 44100, 48000])
+def test_resample_is_scipy_signal_resample(n, rate):
+    """Seed-TTS-Eval resamples with scipy.signal.resample before Whisper; ours is the same FFT
+    method in numpy (odd and even lengths, up and down, the Nyquist bin of each)."""
+    np = pytest.importorskip("numpy")
+    signal = pytest.importorskip("scipy.signal")
+    x = np.random.default_rng(n + rate).standard_normal(n).astype(np.float32)
+    want = signal.resample(x.astype(np.float64), int(n * 16000 / rate))
+    got = ba.resample(x, rate)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.max(np.abs(got - want), initial=0.0) < 1e-5
+
+
 def test_read_wav_gives_mono_float_and_rate(tmp_path):
     (tmp_path / "r.wav").write_bytes(ref_wav(7))
     audio, rate = ba.read_wav(str(tmp_path / "r.wav"))
