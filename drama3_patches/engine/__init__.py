@@ -16,16 +16,7 @@ import threading
 
 from drama3_patches.engine.core import Engine, PatchError
 from drama3_patches.engine.install import MARKER, TargetAbsent, resolve
-from drama3_patches.engine.state import (
-    ALONGSIDE,
-    APPLIED,
-    FAILED,
-    NOT_NEEDED,
-    PENDING,
-    SKIPPED,
-    STATES,
-    write_report,
-)
+from drama3_patches.engine.state import ALONGSIDE, APPLIED, FAILED, NOT_NEEDED, PENDING, SKIPPED, STATES, write_report
 
 __all__ = [
     "ALONGSIDE", "APPLIED", "Engine", "FAILED", "MARKER", "NOT_NEEDED", "PENDING", "PatchError",
