@@ -95,9 +95,17 @@ class SpeechServer:
                     server.requests.append({"path": self.path, **body})
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                self.counted = True
                 try:
                     self._speak(body)
                 finally:
+                    self._leave()
+
+            def _leave(self):
+                """Stop counting this request as in flight: called before the last bytes a client
+                could take as the end, so its next request never overlaps this one in the count."""
+                if self.counted:
+                    self.counted = False
                     with server.lock:
                         server.in_flight -= 1
 
@@ -108,6 +116,7 @@ class SpeechServer:
             def _speak(self, body):
                 spec = parse_spec(body["input"], body.get("ref_text") or "")
                 if spec["mode"] == "http500":
+                    self._leave()
                     msg = b'{"error": "boom"}'
                     self.send_response(500)
                     self.send_header("Content-Length", str(len(msg)))
@@ -144,6 +153,7 @@ class SpeechServer:
                     if i:
                         time.sleep(spec["gap"])
                     if spec["mode"] == "cut" and i == len(pieces) // 2:
+                        self._leave()
                         self.wfile.write(b"400\r\npartial")  # a chunk that never completes
                         self.wfile.flush()
                         self.close_connection = True
@@ -151,12 +161,14 @@ class SpeechServer:
                     emit(samples[at:at + n])
                     at += n
                     if spec["mode"] == "error" and i == 0:
+                        self._leave()
                         err = {"type": "speech.audio.error", "error": {
                             "message": "injected failure", "type": "server_error", "param": None, "code": 500,
                             "partial_audio": True, "action": "discard"}}
                         self._chunk(f"event: speech.audio.error\ndata: {json.dumps(err)}\n\n".encode())
                         self._chunk(b"")
                         return
+                self._leave()
                 if sse and spec["mode"] != "nodone":
                     done = {"type": "speech.audio.done", "usage": {"output_tokens": len(pieces)}}
                     self._chunk(f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n".encode())
