@@ -377,6 +377,13 @@ def vllm_on_npu() -> None:
             return False
 
     vllm_platforms._current_platform = SimulatedNpuPlatform()
+    # vLLM caches answers derived from the platform (is_pin_memory_available, is_uva_available)
+    # for the process; a forked test inherits the answers the CPU platform gave its parent.
+    import vllm.utils.platform_utils as platform_utils
+
+    for value in vars(platform_utils).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
     import vllm_omni  # noqa: F401
 
     enable()
