@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.selftest import write_manifest, write_target
-from support.subproc import run_python
+from support.subproc import call, run_python
 
 PTH = "drama3_patches.pth"
 
@@ -57,6 +57,29 @@ def test_python_c_child_is_patched_by_the_pth_line(ctx):
     out = run_python("import d3p_target; print(d3p_target.greet('c'))",
                      env=ctx["env"], pythonpath=ctx["pythonpath"]).stdout.strip()
     assert out == "hello c! [patched]"
+
+
+def what_a_patched_process_loaded() -> dict:
+    """Runs in a fresh interpreter started with DRAMA3_PATCHES=1, as a serving process is."""
+    import sys
+
+    def ours(*prefixes):
+        return sorted(m for m in sys.modules if m.split(".")[0] in prefixes or m.startswith(prefixes))
+
+    idle = ours("drama3_patches", "wrapt", "yaml")
+    import d3p_target
+
+    return {"idle": idle, "greet": d3p_target.greet("x"), "tools": ours("drama3_patches.tools"),
+            "wrapt": "wrapt" in sys.modules, "engine": "drama3_patches.engine" in sys.modules}
+
+
+def test_a_serving_process_never_imports_the_tools_and_loads_wrapt_only_at_a_target(ctx):
+    got = call(what_a_patched_process_loaded, env=ctx["env"], pythonpath=ctx["pythonpath"])
+    # Before any target import: the stdlib-only trigger and nothing heavy.
+    assert got["idle"] == ["drama3_patches", "drama3_patches._bootstrap", "drama3_patches.env"]
+    # The target import patched it through the engine (which brought wrapt), and no tool came along.
+    assert got["greet"] == "hello x! [patched]" and got["engine"] and got["wrapt"]
+    assert got["tools"] == []
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
