@@ -27,9 +27,6 @@ ASCEND_MAIN = "ascend_main_2608"      # vllm-ascend public main, 2026-08-22 (182
 ASCEND_032 = "ascend_032"             # vllm-ascend 0.32 as the port describes it (not public)
 ASCEND_FIXED = "ascend_synthetic_fixed"  # synthetic: the Mamba manager already takes prefill_end
 
-#: The vllm-ascend profiles that stand for real releases (main is public; 0.32 is the port's).
-ASCEND_PROFILES = (ASCEND_MAIN, ASCEND_032)
-
 #: Published vllm-omni version -> its NPU runner stand-ins.
 OMNI_NPU_RUNNERS = {"0.31.0rc1": "omni_npu_031rc1", "0.32.0rc1": "omni_npu_032rc1"}
 NPU_WORKER_PACKAGE = "vllm_omni.platforms.npu.worker"
