@@ -12,7 +12,7 @@ import yaml
 from drama3_patches._bootstrap import scan_target_modules
 from drama3_patches.manifest import ManifestError, load_manifest, parse_manifest
 from support.selftest import write_manifest, write_target
-from support.subproc import run_cli
+from support.subproc import call, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "patches_manifest.yaml"
@@ -205,14 +205,18 @@ def test_broken_manifest_is_one_clear_line(tmp_path):
     assert f"{bad}: patch 'x': field 'platforms'" in proc.stderr
 
 
+def a_patched_process() -> str:
+    """Runs in a fresh interpreter: imports the target (patched, so a report is written)."""
+    import d3p_target  # noqa: F401
+
+    return str(os.getpid())
+
+
 def test_collect_aggregates_reports_and_skips_corrupt_files(sandbox, tmp_path):
     env, path = sandbox
     reports = tmp_path / "reports"
     env = {**env, "DRAMA3_PATCHES_REPORT_DIR": str(reports)}
-    from support.subproc import run_python
-
-    pids = [run_python("import os, d3p_target; print(os.getpid())", env=env, pythonpath=path).stdout.strip()
-            for _ in range(2)]
+    pids = [call(a_patched_process, env=env, pythonpath=path) for _ in range(2)]
     (reports / "999999.json").write_text("{not json")
     (reports / "999998.json").write_text(json.dumps({"patches": "nope"}))
     proc = run_cli("status", "--collect", str(reports))

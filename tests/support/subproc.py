@@ -90,7 +90,8 @@ def call(func, *args, env: dict | None = None, pythonpath: list | None = None, t
     function, runs before that (for set-up that must precede every import of the module).
     ``pythonpath`` entries come first on the child's path, then the project and ``tests/``.
     A failure in the child fails the caller with the child's traceback (:class:`ChildFailed`).
-    ``with_output``: ``{"result": ..., "output": the child's stdout and stderr}`` instead.
+    ``with_output``: ``{"result": ..., "output": the child's stdout and stderr, "stderr": its
+    stderr alone}`` instead.
     """
     spec = [_address(func), _address(prelude) if prelude else None, list(args)]
     proc = _run([sys.executable, "-m", "support.subproc", json.dumps(spec)], env,
@@ -99,7 +100,7 @@ def call(func, *args, env: dict | None = None, pythonpath: list | None = None, t
     if not lines:
         raise AssertionError(f"the child returned nothing\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
     result = json.loads(lines[-1][len(_TAG):])
-    return {"result": result, "output": proc.stdout + proc.stderr} if with_output else result
+    return {"result": result, "output": proc.stdout + proc.stderr, "stderr": proc.stderr} if with_output else result
 
 
 def _address(func) -> list:
