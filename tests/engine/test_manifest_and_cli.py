@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import yaml
@@ -12,9 +11,8 @@ import yaml
 from drama3_patches._bootstrap import scan_target_modules
 from drama3_patches.manifest import ManifestError, load_manifest, parse_manifest
 from support.selftest import write_manifest, write_target
-from support.subproc import call, run_cli
+from support.subproc import ROOT, call, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "patches_manifest.yaml"
 CONTRACT_IDS = [
     "runner-selection", "lora-count-forwarding", "mamba-prefill-end", "qwen3next-eager-attention",

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from support.selftest import write_manifest, write_target
+from support.subproc import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.packaging
 
 

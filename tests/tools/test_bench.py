@@ -17,8 +17,6 @@ import os
 import random
 import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,17 +25,15 @@ from drama3_patches.tools.bench import audio as ba
 from drama3_patches.tools.bench import plot, progress, sim, wer
 from drama3_patches.tools.bench import speech as sb
 from support.speech_server import NATIVE_RATE, SpeechServer, embed, spoken_bytes, transcribe, wav_header
+from support.subproc import ROOT, TESTS, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
 GAP, CHUNKS = 0.15, 4  # the stream goes on for 3 x GAP after the first samples
 HEADER = "| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | SIM | completed | failed |"
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep)
-    return env
+def _cli(*args, timeout=300):
+    # tests/ on the path: the plug-in transcriber and embedder live in support.speech_server
+    return run_cli("bench", *args, pythonpath=[TESTS], timeout=timeout)
 
 
 def ref_wav(i: int) -> bytes:
@@ -58,8 +54,7 @@ def write_meta(d: Path, specs: list[str], prompts: list[str] | None = None) -> P
 
 
 def bench(server, meta, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", "--url", server.url, "--meta",
-                           str(meta), *args], capture_output=True, text=True, env=_env(), timeout=timeout)
+    return _cli("--url", server.url, "--meta", str(meta), *args, timeout=timeout)
 
 
 FIRSTS = [0.10, 0.15, 0.20, 0.25, 0.30, 0.35]
@@ -266,8 +261,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         args += ["--plot", str(tmp_path / "no" / "such" / "out.png")]
     else:
         args[1] = "127.0.0.1:9"
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", *args], capture_output=True, text=True,
-                       env=_env(), timeout=60)
+    r = _cli(*args, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("drama3-patches bench: ") and expect in lines[0], r.stderr
@@ -660,7 +654,7 @@ def test_quiet_silences_progress(tmp_path):
 
 def _published_table() -> list[dict]:
     """The port's table as docs/recipe.md prints it."""
-    text = (REPO / "docs" / "recipe.md").read_text()
+    text = (ROOT / "docs" / "recipe.md").read_text()
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+) \| ([\d.]+)% \|$", text, re.M)
     assert rows, "no port table in docs/recipe.md"
     return [{"max_concurrency": int(c), "audio_throughput": float(a), "median_ttft_ms": float(p50) * 1000,
@@ -737,9 +731,8 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
         port = sock.getsockname()[1]
     meta = write_meta(tmp_path, ["audio=0.2", "audio=0.3"])
     out = tmp_path / "out.json"
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "bench", "--url", f"http://127.0.0.1:{port}",
-                        "--meta", str(meta), "--concurrency", "2", "--limit", "2", "--warmup", "1", "--json",
-                        str(out)], capture_output=True, text=True, env=_env(), timeout=60)
+    r = _cli("--url", f"http://127.0.0.1:{port}", "--meta", str(meta), "--concurrency", "2", "--limit", "2",
+             "--warmup", "1", "--json", str(out), timeout=60)
     assert r.returncode == 1
     (level,) = json.loads(out.read_text())["levels"]
     assert (level["completed"], level["failed"]) == (0, 2)

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from importlib import metadata
 from pathlib import Path
 
@@ -18,21 +13,9 @@ import yaml
 
 from drama3_patches.tools.deploy_config import profiles as deployconf
 from support.replicas import ASCEND_MAIN, installed, profile
+from support.subproc import ROOT, call, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
-DEPLOY_DIR = REPO / "drama3_patches" / "tools" / "deploy_config" / "configs"
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("DRAMA3_PATCHES", None)
-    return env
-
-
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "drama3_patches.tools", *args], capture_output=True, text=True,
-                          env=_env(), cwd=cwd, timeout=120)
+DEPLOY_DIR = ROOT / "drama3_patches" / "tools" / "deploy_config" / "configs"
 
 
 def test_every_shipped_yaml_is_a_profile_and_every_profile_is_shipped():
@@ -194,37 +177,40 @@ def test_schema_check_names_each_mistake(case):
 
 def test_command_writes_the_shipped_file(tmp_path):
     out = tmp_path / "d.yaml"
-    r = _cli("deploy-config", "910b-tp2-ep", "--out", str(out))
+    r = run_cli("deploy-config", "910b-tp2-ep", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert out.read_text() == (DEPLOY_DIR / "drama3_910b_tp2_ep.yaml").read_text()
-    r = _cli("deploy-config", "mxfp8-1card")
+    r = run_cli("deploy-config", "mxfp8-1card")
     assert r.returncode == 0
     assert yaml.safe_load(r.stdout) == deployconf.load_profile("mxfp8-1card")
 
 
 def test_command_default_profile_and_list():
-    r = _cli("deploy-config")
+    r = run_cli("deploy-config")
     assert r.returncode == 0
     assert r.stdout == (DEPLOY_DIR / deployconf.PROFILES[deployconf.DEFAULT_PROFILE]).read_text()
-    r = _cli("deploy-config", "--list")
+    r = run_cli("deploy-config", "--list")
     assert r.returncode == 0
     assert [line.split("\t")[0] for line in r.stdout.splitlines()] == deployconf.profile_names()
 
 
 def test_command_bad_input_gets_one_clear_line(tmp_path):
-    r = _cli("deploy-config", "h100")
+    r = run_cli("deploy-config", "h100")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "drama3-patches deploy-config: unknown profile 'h100'; known: 910b-tp2-ep, mxfp8-1card"]
-    r = _cli("deploy-config", "--out", str(tmp_path / "missing" / "x.yaml"))
+    r = run_cli("deploy-config", "--out", str(tmp_path / "missing" / "x.yaml"))
     assert r.returncode == 1
     assert "cannot write" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 # Run with DRAMA3_PATCHES=1 and the platform npu (a vllm-ascend stand-in makes runner-selection's
 # guards pass; the loader needs nothing else), then with the patch removed.
-_REAL_LOADER = textwrap.dedent("""
-    import json, sys, dataclasses
+def real_loader(paths: list) -> dict:
+    """Runs in a fresh interpreter started with the patches on (platform npu), as an NPU host is:
+    vLLM-Omni's own loader on each file, per platform, then again with runner-selection removed."""
+    import dataclasses
+
     import drama3_patches
     from vllm_omni.config import stage_config as sc
 
@@ -241,7 +227,7 @@ _REAL_LOADER = textwrap.dedent("""
 
     out = {"fields": sorted(f.name for f in dataclasses.fields(sc.StageDeployConfig)),
            "top": sorted(f.name for f in dataclasses.fields(sc.DeployConfig))}
-    for path in sys.argv[1:]:
+    for path in paths:
         d = sc.load_deploy_config(path)
         out[path] = {
             "stages": [[s.stage_id, s.devices, s.tensor_parallel_size, s.enable_expert_parallel,
@@ -250,21 +236,15 @@ _REAL_LOADER = textwrap.dedent("""
             "cuda": err(lambda: on(path, "cuda")),
         }
     drama3_patches.unapply(["runner-selection"])
-    for path in sys.argv[1:]:
+    for path in paths:
         out[path]["npu_unpatched"] = err(lambda: on(path, "npu"))
-    print(json.dumps(out))
-""")
+    return out
 
 
 def test_real_vllm_omni_loader_reads_our_configs():
     paths = [str(DEPLOY_DIR / f) for f in sorted(deployconf.PROFILES.values())]
-    env = _env()
-    env.update(DRAMA3_PATCHES="1", DRAMA3_PATCHES_PLATFORM="npu", VLLM_LOGGING_LEVEL="WARNING")
-    env["PYTHONPATH"] = os.pathsep.join([str(profile(ASCEND_MAIN)), env["PYTHONPATH"]])
-    r = subprocess.run([sys.executable, "-c", _REAL_LOADER, *paths], capture_output=True, text=True, env=env,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result = call(real_loader, paths, env={"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu"},
+                  pythonpath=[profile(ASCEND_MAIN)])
     # Our list of stage keys is a subset of the installed vLLM-Omni's.
     assert deployconf.STAGE_FIELDS - {"engine_args", "runtime"} <= set(result["fields"])
     assert deployconf.TOP_LEVEL_KEYS - {"base_config"} <= set(result["top"])

@@ -4,17 +4,14 @@ torch_npu packages in a child process, and the command on this (CPU) host."""
 from __future__ import annotations
 
 import io
-import os
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from drama3_patches.tools import doctor
+from support.subproc import ROOT, call, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
 
 MANIFEST = SimpleNamespace(patches=[
     SimpleNamespace(id="a", requires={"vllm": ">=0.31,<0.34", "vllm-ascend": ">=0.11.0rc0"}, platforms=("npu",)),
@@ -242,14 +239,13 @@ def _fake_torch_npu(tmp_path, body):
     return d
 
 
-def _probe_with(path):
-    code = "import json; from drama3_patches.tools import doctor; print(json.dumps(doctor.probe_npu(timeout=120)))"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), str(REPO)]))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    import json
+def probe_here() -> dict:
+    """Runs in a fresh interpreter, with the fake torch_npu first on the path."""
+    return doctor.probe_npu(timeout=120)
 
-    return json.loads(r.stdout.strip().splitlines()[-1])
+
+def _probe_with(path):
+    return call(probe_here, pythonpath=[path])
 
 
 def test_probe_counts_devices_through_torch_npu(tmp_path):
@@ -277,10 +273,8 @@ def test_command_on_this_host():
 
     if importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed here: this test is for hosts without it")
-    env = dict(os.environ, PYTHONPATH=str(REPO), ASCEND_RT_VISIBLE_DEVICES="0,1")
-    env.pop("DRAMA3_PATCHES", None)
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "doctor"], capture_output=True, text=True,
-                       env=env, timeout=120)
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "0,1"}
+    r = run_cli("doctor", env=env, timeout=120)
     assert r.returncode == 1
     lines = r.stdout.splitlines()
     assert lines[0] == f"drama3-patches doctor: {sys.executable}"
@@ -289,13 +283,11 @@ def test_command_on_this_host():
     assert lines[i + 1].startswith('         fix: pip install "torch-npu')
     assert lines[-1].startswith("not ready: ")
     env["DRAMA3_PATCHES"] = "1"
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "doctor"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = run_cli("doctor", env=env)
     lines = r.stdout.splitlines()
     assert "  [ok] DRAMA3_PATCHES: DRAMA3_PATCHES=1 in this shell" in lines
     # The patch table is the engine's status on npu with this host's versions.
-    s = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "status", "--json"], capture_output=True,
-                       text=True, env=dict(env, DRAMA3_PATCHES_PLATFORM="npu"), timeout=300)
+    s = run_cli("status", "--json", env=dict(env, DRAMA3_PATCHES_PLATFORM="npu"))
     import json
 
     engine = json.loads(s.stdout)["patches"]
@@ -325,7 +317,7 @@ def test_noxfile_runs_the_pairs_doctor_checks(monkeypatch):
     nox.session = lambda f: f
     nox.parametrize = lambda *a, **k: (lambda f: f)
     monkeypatch.setitem(sys.modules, "nox", nox)
-    spec = importlib.util.spec_from_file_location("noxfile_under_test", REPO / "noxfile.py")
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", ROOT / "noxfile.py")
     noxfile = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(noxfile)
     assert noxfile.PAIRS == [(p.vllm, p.vllm_omni) for p in pairings.PAIRINGS] == [

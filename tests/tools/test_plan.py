@@ -12,10 +12,7 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
@@ -24,9 +21,7 @@ from drama3_patches.tools.plan.cards import GIB, lookup
 from drama3_patches.tools import plan as plan_cmd
 from support.checkpoints import (CFG, CODEC_SPECS, DRAMA3_CFG, FISH_CFG, STANDIN_CFG, fish_tensor_specs, tensor_specs,
                                  write_checkpoint, write_fish_checkpoint, write_safetensors)
-
-REPO = Path(__file__).resolve().parents[2]
-
+from support.subproc import run_cli
 
 def expected(cfg, tp, ep):
     """Per-card figures from the model's formulas."""
@@ -62,8 +57,7 @@ def expected(cfg, tp, ep):
 
 
 def plan_json(ckpt, *args):
-    r = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "plan", str(ckpt), "--json", *args],
-                       capture_output=True, text=True, env=_env(), timeout=120)
+    r = run_cli("plan", str(ckpt), "--json", *args, timeout=120)
     assert r.returncode in (0, 1), r.stderr
     return r.returncode, json.loads(r.stdout)
 
@@ -89,15 +83,8 @@ def fish_json(ckpt, *args):
     return rc, out
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "drama3_patches.tools", "plan", *args], capture_output=True,
-                          text=True, env=_env(), timeout=120)
+    return run_cli("plan", *args, timeout=120)
 
 
 @pytest.fixture(scope="module")

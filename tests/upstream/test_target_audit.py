@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from support.replicas import ASCEND_MAIN, enter_npu_workers, profile_paths
-from support.subproc import call
+from support.subproc import ROOT, call
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # Module prefix -> why the module cannot import on a CPU host beside vLLM 0.31/0.32. The audit
 # imports these a second time beside the vLLM-Ascend stand-in (and vLLM-Omni's NPU runner
