@@ -23,6 +23,7 @@ from support.checkpoints import (CFG, CODEC_SPECS, DRAMA3_CFG, FISH_CFG, STANDIN
                                  write_checkpoint, write_fish_checkpoint, write_safetensors)
 from support.subproc import run_cli
 
+
 def expected(cfg, tp, ep):
     """Per-card figures from the model's formulas."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
