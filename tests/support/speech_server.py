@@ -13,6 +13,13 @@ target text clean):
 ``ok``, ``error`` (error event after partial audio), ``cut`` (connection closed
 inside a chunk), ``nodone`` (clean end without ``speech.audio.done``), ``http500``.
 
+Misbehaving servers, one ``mode`` each (see ``MISBEHAVIOURS``): ``trickle`` (a comment line
+sent a byte every 0.05 s for ``trickle`` seconds, default 30: alive but never done),
+``badjson`` (data that is not JSON), ``notobject`` (JSON that is a list), ``numaudio`` (a
+delta whose audio is a number), ``strerror`` (an error event whose ``error`` is a string),
+``zerobits`` (a WAV header of 0 bits per sample), ``shortfmt`` (an 8-byte fmt chunk),
+``hugeline`` (one data line of ``huge`` bytes, default 17 MiB, then a newline).
+
 The samples "say" the other words of the input: their bytes repeat
 ``TXT:<words>\\0``, which ``transcribe`` reads back, so WER can be scored end
 to end; ``heard=some_other_words`` makes the audio say those words instead
@@ -36,15 +43,24 @@ def wav_header(rate: int, channels: int = 1, bits: int = 16) -> bytes:
                        rate * channels * bits // 8, channels * bits // 8, bits, b"data", 0xFFFFFFFF)
 
 
+def short_fmt_header(rate: int) -> bytes:
+    """A WAV header whose fmt chunk is 8 bytes (16 at least in a real one)."""
+    return struct.pack("<4sI4s4sIHHI4sI", b"RIFF", 0xFFFFFFFF, b"WAVE", b"fmt ", 8, 1, 1, rate, b"data", 0xFFFFFFFF)
+
+
+MISBEHAVIOURS = ("trickle", "badjson", "notobject", "numaudio", "strerror", "zerobits", "shortfmt", "hugeline")
+
+
 def parse_spec(text: str, prompt: str = "") -> dict:
     """Keys from the prompt transcript, then from the input (which wins); words from the input only."""
-    spec = {"first": 0.0, "header": 0.0, "audio": 1.0, "chunks": 4, "gap": 0.0, "mode": "ok", "heard": None}
+    spec = {"first": 0.0, "header": 0.0, "audio": 1.0, "chunks": 4, "gap": 0.0, "mode": "ok", "heard": None,
+            "trickle": 30.0, "huge": 17 * 1024 * 1024}
     words = []
     for source, word in [("prompt", w) for w in prompt.split()] + [("input", w) for w in text.split()]:
         key, sep, value = word.partition("=")
         if sep and key in spec:
             spec[key] = (value.replace("_", " ") if key == "heard" else value if key == "mode"
-                         else int(value) if key == "chunks" else float(value))
+                         else int(value) if key in ("chunks", "huge") else float(value))
         elif source == "input":
             words.append(word)
     spec["words"] = " ".join(words) if spec["heard"] is None else spec["heard"]
@@ -139,6 +155,14 @@ class SpeechServer:
                     else:
                         self._chunk(data)
 
+                if spec["mode"] in MISBEHAVIOURS:
+                    self._leave()
+                    try:
+                        self._misbehave(spec, emit, rate)
+                    except OSError:  # the client gave up (its deadline): expected
+                        self.close_connection = True
+                    return
+
                 t0 = time.perf_counter()
                 total = int(round(spec["audio"] * rate)) * 2
                 samples = spoken_bytes(spec["words"], total)
@@ -173,6 +197,36 @@ class SpeechServer:
                     done = {"type": "speech.audio.done", "usage": {"output_tokens": len(pieces)}}
                     self._chunk(f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n".encode())
                 self._chunk(b"")  # zero-length chunk: end of body
+
+            def _misbehave(self, spec, emit, rate):
+                mode = spec["mode"]
+                if mode == "trickle":
+                    self._chunk(b":")
+                    end = time.monotonic() + spec["trickle"]
+                    while time.monotonic() < end:
+                        time.sleep(0.05)
+                        self._chunk(b"x")
+                    self._chunk(b"\n\n")
+                elif mode == "zerobits":
+                    emit(wav_header(rate, bits=0) + b"\0" * 64)
+                elif mode == "shortfmt":
+                    emit(short_fmt_header(rate) + b"\0" * 64)
+                elif mode == "hugeline":
+                    self._chunk(b"data: ")
+                    piece = b"A" * 65536
+                    for _ in range(spec["huge"] // len(piece)):
+                        self._chunk(piece)
+                    self._chunk(b"\n\n")
+                else:
+                    event = {"badjson": "data: {not json\n\n", "notobject": "data: [1, 2]\n\n",
+                             "numaudio": 'data: {"type": "speech.audio.delta", "audio": 12345}\n\n',
+                             "strerror": 'data: {"type": "speech.audio.error", "error": "overloaded"}\n\n'}[mode]
+                    emit(wav_header(rate))
+                    self._chunk(event.encode())
+                if mode in ("zerobits", "shortfmt"):
+                    done = {"type": "speech.audio.done"}
+                    self._chunk(f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n".encode())
+                self._chunk(b"")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

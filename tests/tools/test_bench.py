@@ -230,7 +230,9 @@ def test_wer_and_sim_columns_say_why_they_are_empty(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no_meta", "bad_line", "pcm_no_rate", "bad_levels", "no_ref", "bad_url",
-                                  "two_asr", "reference_without_plot", "plot_folder"])
+                                  "two_asr", "reference_without_plot", "plot_folder", "bad_port", "no_host",
+                                  "json_folder", "meta_not_utf8", "huge_ref", "fifo_ref", "fifo_meta",
+                                  "bad_timeout"])
 def test_bad_input_gets_one_clear_line(tmp_path, case):
     meta = write_meta(tmp_path, ["audio=0.2"])
     args = ["--url", "http://127.0.0.1:9", "--meta", str(meta)]
@@ -242,6 +244,14 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         "two_asr": "give --whisper or --transcriber, not both",
         "reference_without_plot": "--reference draws into the plot: give --plot OUT.png too",
         "plot_folder": "does not exist",
+        "bad_port": "--url 'http://127.0.0.1:abc': Port could not be cast to integer value",
+        "no_host": "--url 'http://:8000' names no host",
+        "json_folder": f"--json {tmp_path / 'no' / 'out.json'}: folder {tmp_path / 'no'} does not exist",
+        "meta_not_utf8": "not UTF-8 text (byte 0xff at offset 5); save the meta list as UTF-8",
+        "huge_ref": "ref0.wav: 33.0 MiB, over the 32.0 MiB limit for a reference audio",
+        "fifo_ref": "ref0.wav: not a regular file (a FIFO); a reference audio must be one",
+        "fifo_meta": "meta.lst: not a regular file (a FIFO); a meta list must be one",
+        "bad_timeout": "--timeout must be a number of seconds above 0, got 0",
     }[case]
     if case == "no_meta":
         args[3] = str(tmp_path / "missing.lst")
@@ -259,12 +269,93 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         args += ["--reference", "port"]
     elif case == "plot_folder":
         args += ["--plot", str(tmp_path / "no" / "such" / "out.png")]
+    elif case == "bad_port":
+        args[1] = "http://127.0.0.1:abc"
+    elif case == "no_host":
+        args[1] = "http://:8000"
+    elif case == "json_folder":
+        args += ["--json", str(tmp_path / "no" / "out.json")]
+    elif case == "meta_not_utf8":
+        meta.write_bytes(b"utt0|\xff|wavs/ref0.wav|text\n")
+    elif case == "huge_ref":
+        with open(tmp_path / "wavs" / "ref0.wav", "r+b") as fh:
+            fh.truncate(33 * 1024 * 1024)  # sparse: the size alone must refuse it, nothing is read
+    elif case in ("fifo_ref", "fifo_meta"):
+        target = tmp_path / "wavs" / "ref0.wav" if case == "fifo_ref" else meta
+        target.unlink()
+        os.mkfifo(target)  # nobody writes: an open() that blocks would hang the command
+    elif case == "bad_timeout":
+        args += ["--timeout", "0"]
     else:
         args[1] = "127.0.0.1:9"
     r = _cli(*args, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("drama3-patches bench: ") and expect in lines[0], r.stderr
+
+
+MISBEHAVING = {
+    "badjson": "bad SSE data: '{not json'",
+    "notobject": "bad SSE data: a JSON list, not an object: '[1, 2]'",
+    "numaudio": "bad SSE data: speech.audio.delta whose audio is int, not base64 text",
+    "strerror": "server error: overloaded",
+    "zerobits": "bad audio: WAV fmt chunk says 1 channel(s), 16000 Hz, 0 bits per sample",
+    "shortfmt": "bad audio: WAV fmt chunk of 8 bytes (16 at least)",
+    "hugeline": f"ValueError: SSE line over {sb.MAX_EVENT_BYTES} bytes",
+}
+
+
+def test_a_misbehaving_server_fails_its_requests_and_keeps_the_others(tmp_path):
+    """Each malformed answer is that request's failure, with the cause; the run goes on, every
+    completed result is kept, and the huge line is refused at the line limit."""
+    modes = list(MISBEHAVING)
+    meta = write_meta(tmp_path, ["audio=1.0", *(f"mode={m}" for m in modes), "audio=0.5"])
+    out = tmp_path / "out.json"
+    with SpeechServer() as server:
+        r = bench(server, meta, "--concurrency", "3", "--limit", str(len(modes) + 2), "--warmup", "0",
+                  "--json", str(out), timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    (level,) = json.loads(out.read_text())["levels"]
+    assert (level["completed"], level["failed"]) == (2, len(modes))
+    assert level["audio_seconds"] == pytest.approx(1.5)
+    errors = {f["utt"]: f["error"] for f in level["failures"]}
+    assert errors == {f"utt{i + 1}": MISBEHAVING[m] for i, m in enumerate(modes)}
+
+
+def test_the_deadline_ends_a_trickling_request(tmp_path):
+    """A server that sends a byte every 0.05 s never trips a socket timeout; the request still ends
+    at --timeout (the bound below is loose: the server would trickle for 30 s)."""
+    meta = write_meta(tmp_path, ["mode=trickle", "audio=0.5"])
+    out = tmp_path / "out.json"
+    with SpeechServer() as server:
+        r = bench(server, meta, "--concurrency", "2", "--limit", "2", "--warmup", "0", "--timeout", "1",
+                  "--json", str(out), timeout=120)
+    assert r.returncode == 1, r.stderr
+    (level,) = json.loads(out.read_text())["levels"]
+    reqs = {x["utt"]: x for x in level["requests"]}
+    assert reqs["utt0"]["error"] == "deadline: no complete response within --timeout 1 s"
+    assert 1.0 <= reqs["utt0"]["latency"] < 10.0
+    assert reqs["utt1"]["success"] and level["completed"] == 1
+
+
+def test_a_line_over_the_limit_is_not_read_whole(tmp_path, monkeypatch):
+    """The SSE line limit bounds what the reader takes in, not a check after reading it all: an
+    8 MiB line against a 1 MiB limit never has 8 MiB in memory (traced allocations)."""
+    import tracemalloc
+
+    monkeypatch.setattr(sb, "MAX_EVENT_BYTES", 1024 * 1024)
+    (tmp_path / "r.wav").write_bytes(ref_wav(1))
+    line = sb.MetaLine("u", "p", str(tmp_path / "r.wav"), "mode=hugeline huge=8388608")
+    with SpeechServer() as server:
+        tracemalloc.start()
+        try:
+            res = sb.speak(line, sb.Settings(url=server.url, timeout=60))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert not res.ok and res.error == "ValueError: SSE line over 1048576 bytes"
+    assert peak < 4 * 1024 * 1024, peak
 
 
 def test_percentile_matches_numpy_linear():

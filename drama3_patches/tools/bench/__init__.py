@@ -28,7 +28,9 @@ def register(sub) -> None:
     p.add_argument("--sample-rate", type=int, help="ask for this rate; required with --response-format pcm")
     p.add_argument("--ref-audio", choices=("data", "file"), default="data",
                    help="send references inline as base64 (data) or as file:// URIs the server reads (file)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="wall-clock seconds per request, from the send to the last byte, however slowly the "
+                        "server streams; a request past it is failed (default 600)")
     w = p.add_argument_group("WER and SIM (Seed-TTS-Eval; local models only, never downloaded)")
     w.add_argument("--whisper", metavar="PATH",
                    help="local Whisper model for WER: a transformers folder or an openai-whisper .pt file")
@@ -59,6 +61,8 @@ def _fail(msg: str) -> int:
 
 def _check_args(args) -> str | None:
     """The usage error, or None."""
+    from drama3_patches.tools.bench.speech import check_url
+
     try:
         args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
@@ -67,21 +71,29 @@ def _check_args(args) -> str | None:
         return "--concurrency levels and --limit must be at least 1, --warmup at least 0"
     if args.response_format == "pcm" and not args.sample_rate:
         return "--response-format pcm has no header: give --sample-rate"
-    if not args.url.startswith(("http://", "https://")):
-        return f"--url must start with http:// or https://, got {args.url!r}"
+    if args.sample_rate is not None and args.sample_rate < 1:
+        return f"--sample-rate must be at least 1, got {args.sample_rate}"
+    if not args.timeout > 0 or args.timeout == float("inf"):
+        return f"--timeout must be a number of seconds above 0, got {args.timeout:g}"
+    url_problem = check_url(args.url)
+    if url_problem:
+        return url_problem
     if args.whisper and args.transcriber:
         return "give --whisper or --transcriber, not both"
     if args.sim_model and args.sim_embedder:
         return "give --sim-model or --sim-embedder, not both"
     if args.reference and not args.plot:
         return "--reference draws into the plot: give --plot OUT.png too"
-    if args.plot:
-        # Checked before the run, which can take hours, rather than after it.
-        if importlib.util.find_spec("matplotlib") is None:
-            return "--plot needs matplotlib (pip install matplotlib)"
-        folder = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.isdir(folder):
-            return f"--plot {args.plot}: folder {folder} does not exist"
+    # Outputs are checked before the run, which can take hours, rather than after it.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install matplotlib)"
+    for flag, out in (("--plot", args.plot), ("--json", args.json)):
+        if out:
+            folder = os.path.dirname(os.path.abspath(out))
+            if not os.path.isdir(folder):
+                return f"{flag} {out}: folder {folder} does not exist"
+            if os.path.isdir(out):
+                return f"{flag} {out} is a folder; give a file name"
     return None
 
 
@@ -119,6 +131,7 @@ def _skip_notes(s: dict) -> list[str]:
 def run(args) -> int:
     from drama3_patches.tools.bench import progress
     from drama3_patches.tools.bench import speech as sb
+    from drama3_patches.tools.files import printable
 
     error = _check_args(args)
     if error:
@@ -127,12 +140,9 @@ def run(args) -> int:
         lines = sb.pick_lines(sb.read_meta(args.meta), args.seed, args.limit)
         for line in lines:
             if args.ref_audio == "data":
-                with open(line.prompt_wav, "rb"):
-                    pass
+                sb.read_ref(line.prompt_wav)  # readable, a regular file, within MAX_REF_BYTES
     except sb.BenchError as exc:
         return _fail(str(exc))
-    except OSError as exc:
-        return _fail(f"{exc.filename}: cannot read reference audio: {exc.strerror}")
 
     def log(msg: str) -> None:
         if not args.quiet:
@@ -159,10 +169,10 @@ def run(args) -> int:
         for r in level.results:
             r.audio = b""  # scored: the samples are not kept across levels
         s = level.result()
-        for f in s["failures"]:
-            print(f"  failed: {f['utt']}: {f['error']}", file=sys.stderr)
+        for f in s["failures"]:  # the server's words: no control character reaches the terminal
+            print(printable(f"  failed: {f['utt']}: {f['error']}"), file=sys.stderr)
         for note in _skip_notes(s):
-            print(note, file=sys.stderr)
+            print(printable(note), file=sys.stderr)
         results.append(s)
 
     print(sb.table(results, wer_note, sim_note))

@@ -12,22 +12,39 @@ rate from the WAV header, or the requested ``sample_rate`` for PCM), and
 real-time factor (request time / audio seconds). A request that ends with an
 HTTP error, an ``speech.audio.error`` event, or without ``speech.audio.done``
 (truncated) is a failure and its partial audio is discarded.
+
+A server is not trusted to behave: each request has a wall-clock deadline (``timeout``
+seconds from the send, however slowly bytes trickle in), an SSE line or event is
+bounded (``MAX_EVENT_BYTES``), a WAV header that makes no sense (no fmt chunk, zero
+bits, no channels) and any malformed event are that request's failure. Nothing a
+server sends can end the run or lose the results of other requests.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import http.client
 import json
 import os
 import random
+import socket
 import struct
+import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from drama3_patches.tools.files import MIB, InputError, read_text
+
 SPEECH_PATH = "/v1/audio/speech"
+# One SSE line or event: a delta carries base64 audio (4/3 of its bytes), 16 MiB is about
+# four minutes of 24 kHz 16-bit mono in one event, far above any streamed chunk.
+MAX_EVENT_BYTES = 16 * MIB
+MAX_WAV_HEADER = 64 * 1024  # RIFF chunks before "data"; vLLM-Omni's header is 44 bytes
+MAX_REF_BYTES = 32 * MIB  # a reference clip (Seed-TTS-Eval's are seconds long, well under 1 MiB)
+MAX_META_BYTES = 64 * MIB
 
 
 @dataclass(frozen=True)
@@ -38,17 +55,16 @@ class MetaLine:
     text: str
 
 
-class BenchError(Exception):
+class BenchError(InputError):
     """Bad input to the benchmark; one line for the operator."""
 
 
 def read_meta(path: str) -> list[MetaLine]:
     base = os.path.dirname(os.path.abspath(path))
     try:
-        with open(path, encoding="utf-8") as fh:
-            raw = fh.read().splitlines()
-    except OSError as exc:
-        raise BenchError(f"{path}: cannot read: {exc.strerror}") from None
+        raw = read_text(path, MAX_META_BYTES, "meta list").splitlines()
+    except InputError as exc:
+        raise BenchError(str(exc)) from None
     lines = []
     for n, line in enumerate(raw, 1):
         if not line.strip():
@@ -82,12 +98,20 @@ def parse_wav_header(buf: bytes):
             if fmt is None:
                 raise ValueError("WAV data chunk before its fmt chunk")
             return fmt[0], fmt[1], fmt[2], pos + 8
+        if pos + 8 + size > MAX_WAV_HEADER:
+            raise ValueError(f"WAV header: no data chunk in the first {MAX_WAV_HEADER} bytes")
         if len(buf) < pos + 8 + size:
             return None
         if cid == b"fmt ":
+            if size < 16:
+                raise ValueError(f"WAV fmt chunk of {size} bytes (16 at least)")
             _, channels, rate, _, _, bits = struct.unpack("<HHIIHH", buf[pos + 8:pos + 24])
+            if channels < 1 or rate < 1 or bits < 8 or bits % 8:
+                raise ValueError(f"WAV fmt chunk says {channels} channel(s), {rate} Hz, {bits} bits per sample")
             fmt = (rate, channels, bits)
         pos += 8 + size + (size & 1)
+    if len(buf) > MAX_WAV_HEADER:
+        raise ValueError(f"WAV header: no data chunk in the first {MAX_WAV_HEADER} bytes")
     return None
 
 
@@ -159,15 +183,20 @@ class Settings:
     extra: dict = field(default_factory=dict)
 
 
+def read_ref(path: str) -> bytes:
+    """A reference clip's bytes: a regular file of at most ``MAX_REF_BYTES``."""
+    from drama3_patches.tools.files import read_regular
+
+    try:
+        return read_regular(path, MAX_REF_BYTES, "reference audio")[0]
+    except InputError as exc:
+        raise BenchError(str(exc)) from None
+
+
 def _ref_audio(path: str, mode: str) -> str:
     if mode == "file":
         return "file://" + os.path.abspath(path)
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise BenchError(f"{path}: cannot read reference audio: {exc.strerror}") from None
-    return "data:audio/wav;base64," + base64.b64encode(data).decode("ascii")
+    return "data:audio/wav;base64," + base64.b64encode(read_ref(path)).decode("ascii")
 
 
 def build_body(line: MetaLine, s: Settings) -> dict:
@@ -181,6 +210,22 @@ def build_body(line: MetaLine, s: Settings) -> dict:
     return body
 
 
+def check_url(url: str) -> str | None:
+    """Why ``url`` cannot be a server address, or None."""
+    if not url.startswith(("http://", "https://")):
+        return f"--url must start with http:// or https://, got {url!r}"
+    try:
+        u = urllib.parse.urlsplit(url)
+        port = u.port  # parses the port: ValueError when it is not a number in 0..65535
+    except ValueError as exc:
+        return f"--url {url!r}: {exc}"
+    if not u.hostname:
+        return f"--url {url!r} names no host"
+    if port == 0:
+        return f"--url {url!r}: port 0"
+    return None
+
+
 def _connection(url: str, timeout: float):
     u = urllib.parse.urlsplit(url)
     cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
@@ -188,14 +233,73 @@ def _connection(url: str, timeout: float):
     return cls(u.hostname, u.port, timeout=timeout), path + (f"?{u.query}" if u.query else "")
 
 
+class Deadline:
+    """A request's wall-clock limit: at ``seconds`` after the start the connection's socket is
+    shut down, which ends any read in progress, however the server trickles its bytes (a
+    socket timeout alone bounds only the wait for each byte)."""
+
+    def __init__(self, conn, seconds: float):
+        self.conn, self.seconds, self.expired = conn, seconds, False
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.daemon = True
+
+    def _expire(self) -> None:
+        self.expired = True
+        sock = getattr(self.conn, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
+                pass
+
+    def __enter__(self):
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+
+    @property
+    def error(self) -> str:
+        return f"deadline: no complete response within --timeout {self.seconds:g} s"
+
+
+def _readline(resp) -> bytes:
+    raw = resp.readline(MAX_EVENT_BYTES + 1)
+    if len(raw) > MAX_EVENT_BYTES:
+        raise ValueError(f"SSE line over {MAX_EVENT_BYTES} bytes")
+    return raw
+
+
+def _delta_audio(obj: dict) -> bytes:
+    audio = obj.get("audio") or ""
+    if not isinstance(audio, str):
+        raise ValueError(f"speech.audio.delta whose audio is {type(audio).__name__}, not base64 text")
+    try:
+        return base64.b64decode(audio, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"speech.audio.delta with bad base64 audio ({exc})") from None
+
+
+def _error_text(obj: dict) -> str:
+    """The message of an error event: ``error`` is an object with ``message``, or plain text."""
+    err = obj.get("error")
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return str(err if err not in (None, "") else "(no message)")[:300]
+
+
 def _read_sse(resp, counter: AudioCounter, clock) -> str | None:
     """Consume an SSE stream; None when it ended with speech.audio.done, else the failure."""
-    event, data = None, []
+    event, data, size = None, [], 0
     while True:
-        raw = resp.readline()
+        raw = _readline(resp)
         if not raw:
             return "truncated stream: ended without speech.audio.done"
-        line = raw.decode("utf-8").rstrip("\r\n")
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            return f"bad SSE line: not UTF-8: {raw[:80]!r}"
         if line.startswith(":"):
             continue
         if line:
@@ -205,60 +309,82 @@ def _read_sse(resp, counter: AudioCounter, clock) -> str | None:
                 event = value
             elif name == "data":
                 data.append(value)
+                size += len(value)
+                if size > MAX_EVENT_BYTES:
+                    return f"bad SSE event: over {MAX_EVENT_BYTES} bytes of data"
             continue
         if not data:
             event = None
             continue
         payload = "\n".join(data)
-        event_type, data = event, []
+        event_type, data, size = event, [], 0
         event = None
         if payload.strip() == "[DONE]":
             return "stream ended with [DONE] but no speech.audio.done"
         try:
             obj = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             return f"bad SSE data: {payload[:80]!r}"
+        if not isinstance(obj, dict):
+            return f"bad SSE data: a JSON {type(obj).__name__}, not an object: {payload[:80]!r}"
         kind = obj.get("type") or event_type
         if kind == "speech.audio.delta":
-            counter.feed(base64.b64decode(obj.get("audio") or ""), clock())
+            try:
+                audio = _delta_audio(obj)
+            except ValueError as exc:
+                return f"bad SSE data: {exc}"
+            try:
+                counter.feed(audio, clock())
+            except ValueError as exc:
+                return f"bad audio: {exc}"
         elif kind == "speech.audio.done":
             return None
         elif kind == "speech.audio.error":
-            err = obj.get("error") or {}
-            return f"server error: {err.get('message', err)}"
+            return f"server error: {_error_text(obj)}"
 
 
 def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
     """One streamed request; never raises for a server or network failure."""
     counter = AudioCounter(s.response_format, s.sample_rate)
     counter.keep = s.keep_audio
-    body = json.dumps(build_body(line, s)).encode()
     start = clock()
     res = Result(line.utt, ok=False, start=start)
-    conn, path = _connection(s.url, s.timeout)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
-                                                        "Accept": "text/event-stream"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            detail = resp.read(300).decode("utf-8", "replace").strip()
-            res.error = f"HTTP {resp.status}: {detail}"
-        elif s.stream_format == "sse":
-            res.error = _read_sse(resp, counter, clock) or ""
-            res.ok = not res.error
-        else:
-            while True:
-                chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
-                if not chunk:
-                    break
-                counter.feed(chunk, clock())
-            res.ok = True
+        body = json.dumps(build_body(line, s)).encode()
+        conn, path = _connection(s.url, s.timeout)
+    except (InputError, ValueError) as exc:  # a reference gone since the start, a bad URL
+        res.error, res.end = f"{exc}", clock()
+        return res
+    deadline = Deadline(conn, s.timeout)
+    try:
+        with deadline:
+            conn.connect()  # bounded by the socket timeout; the deadline may pass during it
+            if deadline.expired:
+                raise TimeoutError("deadline passed while connecting")
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
+                                                            "Accept": "text/event-stream"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                detail = resp.read(300).decode("utf-8", "replace").strip()
+                res.error = f"HTTP {resp.status}: {detail}"
+            elif s.stream_format == "sse":
+                res.error = _read_sse(resp, counter, clock) or ""
+                res.ok = not res.error
+            else:
+                while True:
+                    chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
+                    if not chunk:
+                        break
+                    counter.feed(chunk, clock())
+                res.ok = True
     except http.client.IncompleteRead:
         res.error = "truncated stream: connection closed mid-response"
     except (OSError, http.client.HTTPException, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     finally:
         conn.close()
+    if deadline.expired:  # whatever the read saw after the shutdown, the cause is the deadline
+        res.ok, res.error = False, deadline.error
     res.end = clock()
     res.elapsed = res.end - start
     if res.ok and not counter.ready:
@@ -353,13 +479,24 @@ class Level:
         return out
 
 
+def speak_kept(line: MetaLine, s: Settings) -> Result:
+    """:func:`speak`, and should it still raise (a bug here, not the server's doing), the request
+    is that failure, named as a bug: the level's other results are kept either way."""
+    try:
+        return speak(line, s)
+    except Exception as exc:
+        now = time.perf_counter()
+        return Result(line.utt, ok=False, error=f"bench bug (please report): {type(exc).__name__}: {exc}",
+                      start=now, end=now)
+
+
 def run_level(lines: list[MetaLine], concurrency: int, s: Settings, warmup: int = 0, progress=None) -> Level:
     """``progress``: an object with ``tick(ok)`` (see ``progress.make``), or None."""
     for line in lines[:warmup]:
-        speak(line, s)  # excluded: first-request costs (graph warm-up, caches)
+        speak_kept(line, s)  # excluded: first-request costs (graph warm-up, caches)
 
     def one(line):
-        r = speak(line, s)
+        r = speak_kept(line, s)
         if progress is not None:
             progress.tick(r.ok)
         return r
