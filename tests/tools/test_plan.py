@@ -276,6 +276,100 @@ def test_bad_input_gets_one_clear_line(tmp_path, ckpt, case):
     assert len(lines) == 1 and lines[0].startswith("drama3-patches plan: ") and expect in lines[0], r.stderr
 
 
+def _edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _deep(n: int) -> str:
+    return '{"a": ' + "[" * n + "]" * n + "}"
+
+
+BAD_CONFIG = {
+    # case: (fish_omni checkpoint?, edit of config.json or the file's new text, expected line's tail)
+    "layers_string": (False, lambda c: c.update(num_hidden_layers="forty"),
+                      "config.json: num_hidden_layers is a string ('forty'); it must be a whole number"),
+    "zero_heads": (False, lambda c: c.update(num_attention_heads=0),
+                   "config.json: num_attention_heads is 0; it must be at least 1"),
+    "heads_list": (False, lambda c: c.update(num_key_value_heads=[2]),
+                   "config.json: num_key_value_heads is a list; it must be a whole number"),
+    "block_string": (False, lambda c: c.update(quantization_config={"weight_block_size": "128x128"}),
+                     "quantization_config.weight_block_size is a string ('128x128'); it must be [rows, columns]"),
+    "quant_list": (False, lambda c: c.update(quantization_config=[1]),
+                   "config.json: quantization_config is a list; it must be a mapping (key: value)"),
+    "deep": (False, _deep(100_000), "config.json: nested too deep to read"),
+    "nested_40": (False, _deep(40), "config.json: nested more than 32 levels deep"),
+    "text_config_list": (True, lambda c: c.update(text_config=[1, 2]),
+                         "config.json: text_config is a list; it must be a mapping (key: value)"),
+    "decoder_zero": (True, lambda c: c["audio_decoder_config"].update(num_codebooks=0),
+                     "config.json (audio_decoder_config): num_codebooks is 0; it must be at least 1"),
+    "id_string": (True, lambda c: c.update(eos_token_id="eos"),
+                  "config.json: eos_token_id is a string ('eos'); it must be a whole number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIG))
+def test_wrong_types_and_zeros_in_config_are_one_line(tmp_path, case):
+    fish_ckpt, edit, expect = BAD_CONFIG[case]
+    d = tmp_path / "c"
+    write_fish_checkpoint(d, codec=False) if fish_ckpt else write_checkpoint(d)
+    if isinstance(edit, str):
+        (d / "config.json").write_text(edit)
+    else:
+        _edit_json(d / "config.json", edit)
+    r = _cli(str(d), "--card", "910b1", "-q")
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("drama3-patches plan: ") and expect in lines[0], r.stderr
+
+
+def test_oversized_config_and_a_bad_index_are_one_line(tmp_path):
+    d = tmp_path / "big"
+    write_checkpoint(d)
+    with open(d / "config.json", "r+b") as fh:
+        fh.truncate(17 * 1024 * 1024)  # sparse: refused by its size, never read
+    r = _cli(str(d), "--card", "910b1", "-q")
+    assert r.returncode == 2 and "config.json: 17.0 MiB, over the 16.0 MiB limit for a JSON file" in r.stderr
+    d = tmp_path / "index"
+    write_checkpoint(d, shards=2)
+    index = d / "model.safetensors.index.json"
+    _edit_json(index, lambda i: i["weight_map"].update({next(iter(i["weight_map"])): ["a", "b"]}))
+    r = _cli(str(d), "--card", "910b1", "-q")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "model.safetensors.index.json: weight_map[" in r.stderr and "is a list; it must be a shard file name" in r.stderr
+    _edit_json(index, lambda i: i["weight_map"].update({next(iter(i["weight_map"])): "../../etc/x.safetensors"}))
+    r = _cli(str(d), "--card", "910b1", "-q")
+    assert r.returncode == 2 and "is '../../etc/x.safetensors', outside the checkpoint folder" in r.stderr
+
+
+BAD_DEPLOY = {
+    "top_list": ("- 1\n- 2\n", "--deploy {}: the top level is a list; it must be a mapping (key: value)"),
+    "stages_mapping": ("stages:\n  a: 1\n", "--deploy {}: stages is a mapping; it must be a list of stages"),
+    "stage_list": ("stages:\n  - [1]\n", "--deploy {}: stages[0] is a list; it must be a mapping (key: value)"),
+    "tp_string": ("stages:\n  - stage_id: 0\n    tensor_parallel_size: two\n",
+                  "--deploy {}: stage 0 tensor_parallel_size is a string ('two'); it must be a whole number"),
+    "tp_zero": ("stages:\n  - stage_id: 0\n    tensor_parallel_size: 0\n",
+                "--deploy {}: stage 0 tensor_parallel_size is 0; it must be at least 1"),
+    "share_string": ("stages:\n  - stage_id: 0\n    gpu_memory_utilization: '0.9'\n",
+                     "--deploy {}: stage 0 gpu_memory_utilization is a string ('0.9'); it must be a number"),
+    "connector_list": ("stages:\n  - stage_id: 0\nconnectors:\n  c: [1]\n",
+                       "--deploy {}: connectors.c is a list; it must be a mapping (key: value)"),
+    "deep": ("[" * 100_000 + "]" * 100_000, "{}: nested too deep to read"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DEPLOY))
+def test_wrong_types_in_a_deploy_file_are_one_line(tmp_path, ckpt, case):
+    text, expect = BAD_DEPLOY[case]
+    f = tmp_path / "deploy.yaml"
+    f.write_text(text)
+    r = _cli(str(ckpt), "--card", "910b1", "--deploy", str(f), "-q")
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("drama3-patches plan: ") and expect.format(f) in lines[0], r.stderr
+
+
 def test_nested_config_sections(tmp_path, ckpt):
     """A non-Drama omni config.json: the language model's fields under text_config, another tower beside it."""
     d = tmp_path / "omni"

@@ -64,18 +64,19 @@ def deploy_settings(name_or_path: str) -> dict:
     import yaml
 
     from drama3_patches.tools.deploy_config.profiles import PROFILES, profile_text
+    from drama3_patches.tools.plan.inputs import check_deploy, load_yaml
 
     try:
         if name_or_path in PROFILES:
             data = yaml.safe_load(profile_text(name_or_path))
-        elif os.path.isfile(name_or_path):
-            with open(name_or_path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh)
+        elif os.path.exists(name_or_path):
+            data = load_yaml(name_or_path)  # a regular file of bounded size and depth, or one line
         else:
             raise DeployError(f"--deploy {name_or_path}: neither a profile ({', '.join(sorted(PROFILES))}) "
                               "nor a file")
     except yaml.YAMLError as exc:
         raise DeployError(f"--deploy {name_or_path}: not valid YAML ({exc})") from None
+    data = check_deploy(data, name_or_path)
     stages = {s.get("stage_id"): s for s in (data or {}).get("stages") or [] if isinstance(s, dict)}
     if 0 not in stages:
         raise DeployError(f"--deploy {name_or_path}: no stage 0")
@@ -107,6 +108,7 @@ def _progress(args):
 
 
 def run(args) -> int:
+    from drama3_patches.tools.files import InputError
     from drama3_patches.tools.plan.cards import UnknownCard, lookup
     from drama3_patches.tools.plan.model import Options, PlanError, load_checkpoint, make_plan, smallest_fit
     from drama3_patches.tools.report import format_bytes, table
@@ -123,7 +125,7 @@ def run(args) -> int:
     if args.deploy:
         try:
             settings.update(deploy_settings(args.deploy))
-        except DeployError as exc:
+        except (DeployError, InputError) as exc:
             return fail(str(exc))
     for key in _DEPLOY_DEFAULTS:
         if getattr(args, key) is not None:
@@ -139,7 +141,7 @@ def run(args) -> int:
         opts = Options(card=card, reserve_gib=args.reserve_gib, **settings)
         plan = make_plan(ckpt, opts)
         fit = smallest_fit(ckpt, opts)
-    except PlanError as exc:
+    except (PlanError, InputError) as exc:
         return fail(str(exc))
 
     f, s = plan.figures, plan.shape

@@ -36,13 +36,13 @@ fish_omni head and tower are plain modules: replicated.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import re
 import time
 from dataclasses import dataclass, field
 
+from drama3_patches.tools.plan import inputs
 from drama3_patches.tools.plan.cards import GIB, Card
 
 DTYPE_BYTES = {
@@ -231,14 +231,9 @@ def fish_omni_fields(config: dict, use_class: bool = True, progress=_quiet) -> t
     return dict(text), decoder, ids, "config.json read as JSON (fish_omni format)"
 
 
-def _load_json(path: str):
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except ValueError as exc:
-        raise PlanError(f"{path}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise PlanError(f"{path}: cannot read: {exc.strerror or exc}") from None
+def _load_json(path: str, limit: int = inputs.MAX_CONFIG_BYTES):
+    """A regular file of bounded size and depth (``inputs.load_json``); bad input is one line."""
+    return inputs.load_json(path, limit)
 
 
 def load_checkpoint(path: str, section: str | None = None, progress=_quiet, use_class: bool = True) -> Checkpoint:
@@ -253,6 +248,7 @@ def load_checkpoint(path: str, section: str | None = None, progress=_quiet, use_
     config = _load_json(cfg_path)
     if not isinstance(config, dict):
         raise PlanError(f"{cfg_path}: not a JSON object")
+    inputs.check_config(config, cfg_path, config.get("model_type") == FISH_OMNI)
     kind, source, decoder, ids = "generic", "config.json", {}, {}
     if section:
         where, text = section, _section(config, section)
@@ -265,14 +261,16 @@ def load_checkpoint(path: str, section: str | None = None, progress=_quiet, use_
         where, text = _text_config(config)
     if not text:
         raise PlanError(f"{cfg_path}: no language-model section with num_hidden_layers and hidden_size")
+    inputs.check_model(dict(text, **ids), decoder, config, cfg_path, where)
 
     index_path = os.path.join(path, INDEX_FILE)
     expected: dict[str, str] = {}
     if os.path.isfile(index_path):
-        index = _load_json(index_path)
+        index = _load_json(index_path, inputs.MAX_INDEX_BYTES)
         expected = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(expected, dict):
             raise PlanError(f"{index_path}: not a valid index (needs a weight_map object)")
+        inputs.check_weight_map(expected, index_path)
         files = sorted(set(expected.values()))
         for f in files:
             if not os.path.isfile(os.path.join(path, f)):
