@@ -44,6 +44,15 @@ Environment: ``DRAMA3_PATCHES_FP8_KERNEL=auto|native|torch`` (see
 ``drama3_patches.kernels.fp8``), ``DRAMA3_PATCHES_CACHE_DIR`` (where the built
 library is kept; default ``$XDG_CACHE_HOME/drama3_patches`` or
 ``~/.cache/drama3_patches``), ``CC`` (the compiler; default ``cc``/``gcc``/``clang``).
+
+Trust: the library runs inside the server, often as root, so the cache is used
+only when nobody else could have written it.  The folder (created 0700) must
+belong to this user and be closed to group and others; the library must be a
+regular file of this user, closed to others, opened without following a link
+and loaded through that open descriptor.  A folder that fails (or an explicit
+one that does) is named in a warning and the kernel is built in a fresh private
+temporary folder for this process.  A cached library that does not load is
+rebuilt once; every compiler call has a timeout.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -352,16 +362,82 @@ _LOCK = threading.Lock()
 _STATE: dict = {}  # "lib", "nan_bits", "reason", "path"
 
 
+def _new_lock_in_child() -> None:
+    # A fork while another thread builds would leave the child's copy of the lock held forever.
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
 # Where the built kernel is cached (README's environment table).
 CACHE_DIR_ENV = "DRAMA3_PATCHES_CACHE_DIR"
+# Generous for a one-second build on a loaded host; a hung compiler must not hang the server.
+COMPILE_TIMEOUT_S = 300
+VERSION_TIMEOUT_S = 30
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def _cache_dir() -> Path:
+class UnsafeCache(OSError):
+    """A cache folder or library another user could have written: never loaded."""
+
+
+def _cache_dir() -> tuple[Path, bool]:
+    """The cache folder, and whether $DRAMA3_PATCHES_CACHE_DIR named it."""
     explicit = os.environ.get(CACHE_DIR_ENV)
     if explicit:
-        return Path(explicit)
+        return Path(explicit), True
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "drama3_patches"
+    return Path(base) / "drama3_patches", False
+
+
+def _check_private(st: os.stat_result, what: str) -> None:
+    """Refuse what this user does not own or what others may write (UnsafeCache naming which)."""
+    if st.st_uid != os.geteuid():
+        raise UnsafeCache(f"{what} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise UnsafeCache(f"{what} is writable by group or others (mode {st.st_mode & 0o7777:04o})")
+
+
+def _open_private_dir(path: Path) -> int:
+    """An fd of ``path`` (created 0700 when absent) after checking it is private to this user.
+
+    Everything after works relative to this fd, so renaming the path afterwards (by
+    whoever can write its parent) cannot put another folder under us.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path.parent, exist_ok=True)
+        os.mkdir(path, 0o700)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+    try:
+        _check_private(os.fstat(fd), f"cache folder {path}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_library(name: str, dir_fd: int) -> int | None:
+    """An fd of the library ``name`` in the folder, checked; None when absent; UnsafeCache when refused."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link stands there
+        raise UnsafeCache(f"library {name} cannot be opened without following a link: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCache(f"library {name} is not a regular file")
+        _check_private(st, f"library {name}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _compiler() -> str | None:
@@ -390,49 +466,133 @@ def _flags(native: bool) -> list[str]:
     return flags
 
 
-def _compile(cc: str, flags: list[str], out: Path) -> subprocess.CompletedProcess:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / "fp8_expand.c"
-        src.write_text(SOURCE)
-        tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([*cc.split(), *flags, "-o", str(tmp_out), str(src)],
-                              capture_output=True, text=True, timeout=300)
+def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(argv[:2])} ... did not finish within {timeout:.0f} s") from None
+
+
+def _compile(cc: str, flags: list[str], dir_fd: int, name: str, where: Path) -> subprocess.CompletedProcess:
+    """Compile into a fresh private folder inside ``where``, then rename the library into the folder.
+
+    The rename is atomic: concurrent builders (several ranks) never see half a file.
+    """
+    tmp = tempfile.mkdtemp(prefix=".build-", dir=where)  # 0700, a name nobody could guess
+    try:
+        src = os.path.join(tmp, "fp8_expand.c")
+        with open(src, "w") as f:
+            f.write(SOURCE)
+        out = os.path.join(tmp, name)
+        proc = _run([*cc.split(), *flags, "-o", out, src], COMPILE_TIMEOUT_S)
         if proc.returncode == 0:
-            os.replace(tmp_out, out)  # atomic: concurrent builders (several ranks) never see half a file
+            tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+            try:
+                _check_private(os.fstat(tmp_fd), f"build folder {tmp}")
+                os.replace(name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd)
+            finally:
+                os.close(tmp_fd)
         return proc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None) -> Path:
-    """Compile the kernel (or find it in the cache) and return the library path; raises on failure."""
+class _Library:
+    """A checked library: its path (for messages) and an open fd of exactly the file checked."""
+
+    def __init__(self, path: Path, fd: int, temporary: str | None = None):
+        self.path, self.fd, self.temporary = path, fd, temporary
+
+    def load_path(self) -> str:
+        # dlopen() by name would resolve the path again, after the checks, through folders
+        # someone else may be able to rename: /proc/self/fd/N names the very inode checked,
+        # so what is loaded is what was checked (the swap-after-check race is closed).
+        proc = f"/proc/self/fd/{self.fd}"
+        return proc if os.path.exists(proc) else str(self.path)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.temporary:
+            shutil.rmtree(self.temporary, ignore_errors=True)  # a loaded library stays mapped
+
+
+def _find_or_build(extra_flags: tuple[str, ...], cache_dir: Path | None, rebuild: bool) -> _Library:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True).stdout
+    version = _run([*cc.split(), "--version"], VERSION_TIMEOUT_S).stdout
+    explicit = cache_dir is not None
+    if cache_dir is None:
+        cache_dir, explicit = _cache_dir()
+    try:
+        dir_fd = _open_private_dir(cache_dir)
+        try:
+            return _in_folder(cc, version, extra_flags, cache_dir, dir_fd, rebuild)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        # Not ours, open to others, a link or FIFO planted, or not writable (a read-only
+        # home): build where nobody else can write, for this process only, and say why.
+        why = f"{exc}" if isinstance(exc, UnsafeCache) else f"cache folder {cache_dir}: {exc}"
+        how = f"{CACHE_DIR_ENV}={cache_dir} is refused" if explicit else "the kernel cache is not used"
+        logger.warning("fp8 expansion: %s (%s); building in a private temporary folder instead "
+                       "(fix: a folder of this user, mode 700%s)", how, why,
+                       "" if explicit else f", or set {CACHE_DIR_ENV}")
+    temporary = Path(tempfile.mkdtemp(prefix="drama3_patches-"))  # 0700, unpredictable name
+    try:
+        dir_fd = os.open(temporary, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        try:
+            lib = _in_folder(cc, version, extra_flags, temporary, dir_fd, rebuild=False)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    lib.temporary = str(temporary)
+    return lib
+
+
+def _in_folder(cc: str, version: str, extra_flags: tuple[str, ...], folder: Path, dir_fd: int,
+               rebuild: bool) -> _Library:
+    """The checked library in a checked folder: found there, or compiled into it."""
     errors = []
     for native in (True, False):
         flags = _flags(native) + list(extra_flags)
         key = hashlib.sha256("\0".join([SOURCE, cc, version, *flags, platform.machine(),
                                         _cpu_signature()]).encode()).hexdigest()[:16]
-        dirs = [cache_dir] if cache_dir else [_cache_dir(), Path(tempfile.gettempdir()) / f"drama3_patches-{os.getuid()}"]
-        for d in dirs:
-            path = d / f"fp8_expand-{key}.so"
-            if path.is_file():
-                return path
+        name = f"fp8_expand-{key}.so"
+        if rebuild:
             try:
-                proc = _compile(cc, flags, path)
-            except OSError as exc:  # cache dir not writable: try the next one
-                errors.append(f"{d}: {exc}")
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+        fd = _open_library(name, dir_fd)
+        if fd is None:
+            proc = _compile(cc, flags, dir_fd, name, folder)
+            if proc.returncode != 0:
+                errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
                 continue
-            if proc.returncode == 0:
-                return path
-            errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
-            break  # a compile error does not depend on the directory
+            fd = _open_library(name, dir_fd)
+            if fd is None:
+                raise RuntimeError(f"the built library {name} vanished from {folder}")
+        return _Library(folder / name, fd)
     raise RuntimeError("building the fp8 kernel failed: " + " | ".join(errors))
 
 
-def _open(path: Path):
-    lib = ctypes.CDLL(str(path))
+def build(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None, rebuild: bool = False) -> Path:
+    """Compile the kernel (or find it in the cache) and return the checked library's path; raises on failure.
+
+    For tests and tools that load it themselves; :func:`load` keeps the checked file open instead.
+    """
+    lib = _find_or_build(extra_flags, cache_dir, rebuild)
+    lib.temporary = None  # the caller loads it by path: keep it
+    lib.close()
+    return lib.path
+
+
+def _open(path) -> ctypes.CDLL:
+    """Load a library file (a path, or a checked :class:`_Library`) and declare its functions."""
+    lib = ctypes.CDLL(path.load_path() if isinstance(path, _Library) else str(path))
     i64 = ctypes.c_int64
     fn = lib.d3_fp8_expand
     fn.restype = ctypes.c_int
@@ -440,6 +600,24 @@ def _open(path: Path):
                    ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.d3_fp8_simd_level.restype = ctypes.c_int
     return lib
+
+
+def _open_checked(extra_flags: tuple[str, ...] = ()):
+    """Find or build, check and load; a cached library that does not load (truncated) is rebuilt once."""
+    lib = _find_or_build(extra_flags, None, rebuild=False)
+    try:
+        try:
+            return _open(lib), lib.path
+        except (OSError, AttributeError) as exc:  # not a loadable object, or a symbol missing
+            logger.warning("fp8 expansion: the cached kernel %s does not load (%s); building it again",
+                           lib.path, exc)
+    finally:
+        lib.close()
+    lib = _find_or_build(extra_flags, None, rebuild=True)
+    try:
+        return _open(lib), lib.path
+    finally:
+        lib.close()
 
 
 def torch_nan_bits() -> int | None:
@@ -505,8 +683,7 @@ def load():
             if nan_bits is None:
                 reason = "torch's float32 -> bfloat16 conversion gives NaN more than one encoding"
             else:
-                path = build()
-                candidate = _open(path)
+                candidate, path = _open_checked()
                 reason = _self_check(candidate, nan_bits)
                 if reason is None:
                     lib = candidate

@@ -6,9 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shutil
+from pathlib import Path
 
 import pytest
 
+from support.hostile import evil_library, hostile_user  # noqa: F401 (a fixture)
+from support.subproc import call
 from support.tiers import TORCH_ABSENT
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
@@ -183,3 +187,153 @@ def test_experts_choose_their_worker_count_unless_it_is_fixed(monkeypatch):
     k8.dequant_experts(list(w), list(s), out, kernel="native")  # the default: measured per expert
     assert calls[:2] == [3, 1] and set(calls) <= {1, 3} and len(calls) == e
     assert all(torch.equal(_bits(out[i]), _bits(k8.reference_dequant(w[i], s[i]).t())) for i in range(e))
+
+
+# ------------------------------------------------ trust: what another user could have planted
+
+
+def load_kernel(version_timeout=None) -> dict:
+    """Runs in a fresh interpreter: load the kernel as a serving process does."""
+    from drama3_patches.kernels import fp8_native as native
+
+    if version_timeout is not None:
+        native.VERSION_TIMEOUT_S = version_timeout
+    lib = native.load()
+    return {"available": lib is not None, "reason": native.unavailable_reason(), "path": str(native.info()["path"])}
+
+
+def _library_name(scratch) -> str:
+    """The cache name this host's build gets (anyone on the host can compute it)."""
+    return fp8_native.build(cache_dir=scratch).name
+
+
+def _load_in_child(env: dict, **kw) -> dict:
+    got = call(load_kernel, *kw.values(), env=env, timeout=120, with_output=True)
+    return dict(got["result"], stderr=got["stderr"])
+
+
+@needs_cc
+def test_a_cache_folder_open_to_others_is_refused_and_its_library_never_loaded(tmp_path):
+    marker = tmp_path / "marker"
+    evil = evil_library(tmp_path, marker)
+    name = _library_name(tmp_path / "scratch")
+    cache = tmp_path / "open"
+    cache.mkdir()
+    cache.chmod(0o777)
+    shutil.copy(evil, cache / name)
+    got = _load_in_child({"DRAMA3_PATCHES_CACHE_DIR": str(cache)})
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert got["available"], got
+    assert f"DRAMA3_PATCHES_CACHE_DIR={cache} is refused" in got["stderr"]
+    assert "writable by group or others" in got["stderr"]
+    assert not got["path"].startswith(str(cache))
+    assert not Path(got["path"]).parent.exists()  # the private temporary folder is gone after loading
+
+
+@needs_cc
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_link_or_fifo_at_the_library_name_is_not_followed(tmp_path, plant):
+    marker = tmp_path / "marker"
+    evil = evil_library(tmp_path, marker)
+    name = _library_name(tmp_path / "scratch")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    if plant == "symlink":
+        (cache / name).symlink_to(evil)
+    else:
+        os.mkfifo(cache / name)
+    got = _load_in_child({"DRAMA3_PATCHES_CACHE_DIR": str(cache)})
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert got["available"], got
+    assert "is refused" in got["stderr"]
+    assert ("link" if plant == "symlink" else "not a regular file") in got["stderr"]
+
+
+@needs_cc
+def test_a_private_cache_is_created_0700_and_used(tmp_path):
+    cache = tmp_path / "made" / "here"
+    got = _load_in_child({"DRAMA3_PATCHES_CACHE_DIR": str(cache)})
+    assert got["available"] and got["stderr"] == "", got
+    assert cache.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in cache.iterdir()] == [Path(got["path"]).name]
+    again = _load_in_child({"DRAMA3_PATCHES_CACHE_DIR": str(cache)})
+    assert again["path"] == got["path"] and again["stderr"] == ""
+
+
+@needs_cc
+def test_a_truncated_library_is_rebuilt_once(tmp_path):
+    cache = tmp_path / "cache"
+    name = fp8_native.build(cache_dir=cache).name
+    with open(cache / name, "r+b") as f:
+        f.truncate(100)
+    got = _load_in_child({"DRAMA3_PATCHES_CACHE_DIR": str(cache)})
+    assert got["available"], got
+    assert "does not load" in got["stderr"] and "building it again" in got["stderr"]
+    assert (cache / name).stat().st_size > 100
+
+
+def test_a_hung_compiler_times_out(tmp_path):
+    cc = tmp_path / "slow-cc"
+    cc.write_text("#!/bin/sh\nsleep 120\n")
+    cc.chmod(0o755)
+    got = _load_in_child({"CC": str(cc), "DRAMA3_PATCHES_CACHE_DIR": str(tmp_path / "cache")}, version_timeout=1)
+    assert not got["available"]
+    assert "did not finish within 1 s" in got["reason"]
+
+
+@needs_cc
+def test_another_users_planted_library_never_runs_in_this_process(tmp_path, hostile_user):
+    # The attacker prepares, in a shared /tmp-like folder: the old fallback folder with a library
+    # under the name this host's build gets, and an explicit cache folder of theirs.
+    marker = tmp_path / "marker"
+    evil = evil_library(hostile_user.shared, marker)
+    name = _library_name(tmp_path / "scratch")
+    theirs = hostile_user.shared / "cache"
+    fallback = hostile_user.shared / f"drama3_patches-{os.getuid()}"
+    for folder in (theirs, fallback):
+        hostile_user.sh('mkdir -m 777 "$1" && cp "$2" "$1/$3" && chmod 777 "$1/$3"', folder, evil, name)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    for env in ({"DRAMA3_PATCHES_CACHE_DIR": str(theirs)},
+                # the home cache cannot be made: the old code fell back to $TMPDIR/drama3_patches-<uid>
+                {"XDG_CACHE_HOME": str(not_a_folder), "TMPDIR": str(hostile_user.shared)}):
+        got = _load_in_child(env)
+        assert not marker.exists(), f"the planted library ran in this process ({env})"
+        assert got["available"], got
+        assert "private temporary folder" in got["stderr"]
+    # An empty folder they made, open to all: nothing is built there for them to swap later.
+    hostile_user.sh('rm -rf "$1"/* && chmod 777 "$1"', theirs)
+    got = _load_in_child({"DRAMA3_PATCHES_CACHE_DIR": str(theirs)})
+    assert got["available"] and list(theirs.iterdir()) == []
+    assert f"belongs to uid {hostile_user.uid}" in got["stderr"]
+
+
+def fork_while_another_thread_builds() -> list:
+    """Runs in a fresh interpreter: fork while a thread holds the build lock; can the child load?"""
+    import threading
+
+    from drama3_patches.kernels import fp8_native as native
+
+    native._compiler = lambda: None  # the child's load() then ends at once, if it can take the lock
+    holding, release = threading.Event(), threading.Event()
+
+    def builder():
+        with native._LOCK:
+            holding.set()
+            release.wait(60)
+
+    threading.Thread(target=builder, daemon=True).start()
+    holding.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        done = threading.Event()
+        threading.Thread(target=lambda: (native.load(), done.set()), daemon=True).start()
+        os._exit(0 if done.wait(20) else 3)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    return [os.waitstatus_to_exitcode(status), native.load() is None]
+
+
+def test_a_fork_while_another_thread_builds_does_not_deadlock_the_child():
+    # exit 3: the child's load() was still waiting for the lock after 20 s
+    assert call(fork_while_another_thread_builds, timeout=120) == [0, True]
