@@ -85,70 +85,167 @@ def render_status(data: dict) -> str:
     return "\n".join(head) + table(rows, ["PATCH", "STATE", "GUARD / TARGETS", "REASON"])
 
 
+MAX_REPORT_BYTES = 1024 ** 2  # a report is a few kilobytes per patch
+MAX_REPORT_FILES = 10000
+MAX_PATCHES = 1000
+
+
 @dataclass
 class Collected:
     processes: list = field(default_factory=list)
-    skipped: list = field(default_factory=list)  # (file, why)
+    skipped: list = field(default_factory=list)  # (file, why): why names the owner when known
+    notes: list = field(default_factory=list)  # about the folder itself
 
 
-def _valid_report(data) -> str | None:
+def owner_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return "?"
+
+
+def _owner(uid: int) -> str:
+    return f"owner {owner_name(uid)}, uid {uid}"
+
+
+def _is_str(value) -> bool:
+    return isinstance(value, str)
+
+
+def _valid_report(data, stem: str) -> str | None:
+    """Why a parsed report cannot be shown (a wrong type where the renderer expects one), or None."""
     if not isinstance(data, dict):
         return "not a JSON object"
     if not isinstance(data.get("patches"), list):
         return "no 'patches' list"
+    if len(data["patches"]) > MAX_PATCHES:
+        return f"more than {MAX_PATCHES} patch entries"
     for p in data["patches"]:
         if not isinstance(p, dict) or not {"id", "state", "reason"} <= set(p):
             return "a patch entry lacks id/state/reason"
+        if not all(_is_str(p[k]) for k in ("id", "state", "reason")):
+            return "a patch entry's id, state or reason is not text"
+    pid = data.get("pid")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
+        return f"pid is {type(pid).__name__}, not a process id"
+    if pid is not None and str(pid) != stem:
+        return f"says pid {pid} but is named {stem}.json"
+    if "platform" in data and not _is_str(data["platform"]):
+        return "platform is not text"
+    argv = data.get("argv")
+    if argv is not None and (not isinstance(argv, list) or not all(_is_str(a) for a in argv)):
+        return "argv is not a list of text"
+    if "enabled" in data and not isinstance(data["enabled"], bool):
+        return "enabled is not true or false"
+    versions = data.get("versions")
+    if versions is not None and (not isinstance(versions, dict)
+                                 or not all(v is None or _is_str(v) for v in versions.values())):
+        return "versions is not a mapping of versions"
     return None
 
 
-def collect(directory: str) -> Collected:
-    """Read every ``<pid>.json`` of a report directory; a corrupt file is skipped with the reason.
+def _folder_notes(directory: str, st) -> list[str]:
+    import stat
 
-    Raises OSError when the directory itself cannot be read.
+    notes = []
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        notes.append(f"the folder is {_owner(st.st_uid)}, not you or root")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        notes.append(f"the folder is writable by others (mode {stat.S_IMODE(st.st_mode):o}): only reports of "
+                     "trusted owners are shown")
+    return notes
+
+
+def collect(directory: str, trust: tuple = ()) -> Collected:
+    """Read every ``<pid>.json`` of a report directory; anything else is skipped with the reason.
+
+    Fail closed: a report is shown only when it is a regular file (no link followed, no FIFO
+    or device opened blocking) of at most ``MAX_REPORT_BYTES``, owned by the user running this,
+    by root, or by a uid in ``trust``, whose JSON has the expected field types. A file owned by
+    anyone else could have been planted by any local user who can write the folder: it is
+    skipped and its owner named. Raises OSError when the directory itself cannot be read.
     """
-    names = sorted(os.listdir(directory))
-    result = Collected()
+    from drama3_patches.tools.files import InputError, read_regular
+
+    result = Collected(notes=_folder_notes(directory, os.stat(directory)))
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
+    if len(names) > MAX_REPORT_FILES:
+        result.notes.append(f"{len(names)} .json files: only the first {MAX_REPORT_FILES} are read")
+        names = names[:MAX_REPORT_FILES]
+    trusted = {os.geteuid(), 0, *trust}
     for name in names:
-        if not name.endswith(".json"):
-            continue
         path = os.path.join(directory, name)
+        stem = name[:-5]
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, UnicodeDecodeError) as exc:
-            result.skipped.append((path, f"unreadable: {exc}"))
+            raw, st = read_regular(path, MAX_REPORT_BYTES, "report", follow=False)
+        except InputError as exc:
+            try:
+                who = f" ({_owner(os.lstat(path).st_uid)})"
+            except OSError:
+                who = ""
+            result.skipped.append((path, f"{str(exc).removeprefix(path + ': ')}{who}"))
             continue
-        except json.JSONDecodeError as exc:
-            result.skipped.append((path, f"not valid JSON: {exc}"))
+        who = _owner(st.st_uid)
+        if st.st_uid not in trusted:
+            result.skipped.append((path, f"{who}: not you or root, so possibly planted; "
+                                         f"--trust {owner_name(st.st_uid)} shows it"))
             continue
-        problem = _valid_report(data)
+        if not stem.isdigit():
+            result.skipped.append((path, f"not a <pid>.json name ({who})"))
+            continue
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            result.skipped.append((path, f"unreadable: not UTF-8 ({exc.reason}) ({who})"))
+            continue
+        except (ValueError, RecursionError) as exc:
+            result.skipped.append((path, f"not valid JSON: {exc} ({who})"))
+            continue
+        problem = _valid_report(data, stem)
         if problem:
-            result.skipped.append((path, problem))
+            result.skipped.append((path, f"{problem} ({who})"))
             continue
-        data.setdefault("pid", name[:-5])
+        data.setdefault("pid", int(stem))
         result.processes.append(data)
-    result.processes.sort(key=lambda d: str(d.get("pid")))
+    result.processes.sort(key=lambda d: d["pid"])
     return result
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True
+
+
 def render_collected(c: Collected, directory: str) -> str:
+    """The collected reports as a table; every piece of report text shown without control characters."""
+    from drama3_patches.tools.files import printable
+
     if not c.processes:
-        return f"no process reports in {directory}"
+        return f"no process reports in {printable(directory)}"
     rows = []
     for proc in c.processes:
         argv = proc.get("argv") or []
-        what = " ".join(str(a) for a in argv)[:60] if argv else "?"
+        what = printable(" ".join(argv))[:60] if argv else "?"
+        pid = str(proc["pid"]) + ("" if _running(proc["pid"]) else " (gone)")
         for p in proc["patches"]:
-            rows.append([str(proc.get("pid")), str(proc.get("platform", "?")), p["id"], p["state"], p["reason"]])
+            rows.append([pid, printable(proc.get("platform", "?")), printable(p["id"]), printable(p["state"]),
+                         printable(p["reason"])])
         rows.append([" ", "", f"(process: {what})", "", ""])
     summary = {}
     for proc in c.processes:
         for p in proc["patches"]:
             if p["state"] == "applied":
-                summary.setdefault(p["id"], []).append(str(proc.get("pid")))
+                summary.setdefault(printable(p["id"]), []).append(str(proc["pid"]))
     lines = [table(rows, ["PID", "PLATFORM", "PATCH", "STATE", "REASON"]), ""]
-    lines.append(f"{len(c.processes)} process report(s) in {directory}")
+    lines.append(f"{len(c.processes)} process report(s) in {printable(directory)}")
     for pid_list_id, pids in summary.items():
         lines.append(f"  {pid_list_id}: applied in pid {', '.join(pids)}")
     return "\n".join(lines)

@@ -15,22 +15,45 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--collect", metavar="DIR",
-        help="aggregate the <pid>.json files that DRAMA3_PATCHES_REPORT_DIR made processes write",
+        help="aggregate the <pid>.json files that DRAMA3_PATCHES_REPORT_DIR made processes write "
+             "(only regular files owned by you or root; see --trust)",
+    )
+    p.add_argument(
+        "--trust", metavar="USER", action="append", default=[],
+        help="with --collect: also show reports owned by USER (a name or uid), e.g. the account the "
+             "servers run as; reports of any other owner are skipped as possibly planted",
     )
     p.set_defaults(func=run)
 
 
+def _uid(user: str) -> int:
+    from drama3_patches.tools.files import InputError
+
+    if user.isdigit():
+        return int(user)
+    try:
+        import pwd
+
+        return pwd.getpwnam(user).pw_uid
+    except (ImportError, KeyError):
+        raise InputError(f"--trust {user!r}: no such user") from None
+
+
 def _collect(args) -> int:
+    from drama3_patches.tools.files import printable
     from drama3_patches.tools.report import collect, render_collected
 
+    trust = tuple(_uid(u) for u in args.trust)
     try:
-        collected = collect(args.collect)
+        collected = collect(args.collect, trust)
     except OSError as exc:
-        print(f"drama3-patches: cannot read report directory {args.collect}: {exc.strerror or exc}",
+        print(f"drama3-patches: cannot read report directory {printable(args.collect)}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
+    for note in collected.notes:
+        print(f"drama3-patches: {printable(args.collect)}: {printable(note)}", file=sys.stderr)
     for path, why in collected.skipped:
-        print(f"drama3-patches: skipping report {path}: {why}", file=sys.stderr)
+        print(f"drama3-patches: skipping report {printable(path)}: {printable(why)}", file=sys.stderr)
     if args.json:
         print(json.dumps({
             "processes": collected.processes,
@@ -45,6 +68,9 @@ def _collect(args) -> int:
 def run(args) -> int:
     if args.collect:
         return _collect(args)
+    if args.trust:
+        print("drama3-patches status: --trust goes with --collect DIR", file=sys.stderr)
+        return 2
     from drama3_patches.engine import PatchError, get_engine
     from drama3_patches.manifest import ManifestError
     from drama3_patches.tools.report import render_status

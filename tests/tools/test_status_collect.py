@@ -1,0 +1,106 @@
+"""`drama3-patches status --collect DIR` on a report folder someone else could write into.
+
+Each case plants what a hostile local user (or a broken writer) could leave there: a FIFO, a
+link, a huge file, wrong field types, terminal escapes, a report of another owner. The command
+must show the good reports, skip each bad one with its owner and reason, and neither hang,
+follow a link, nor pass an escape sequence to the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from support.subproc import run_cli
+
+
+def report(pid: int, reason: str = "applied cleanly", **extra) -> dict:
+    return {"pid": pid, "platform": "cpu", "enabled": True, "argv": ["vllm", "*", "--api-key", "*"],
+            "versions": {"vllm": "0.32.0"}, "patches": [{"id": "selftest", "state": "applied", "reason": reason}],
+            **extra}
+
+
+def _write(folder, name: str, data) -> None:
+    (folder / name).write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def _collect(folder, *args):
+    return run_cli("status", "--collect", str(folder), *args, timeout=60)
+
+
+def _skips(stderr: str) -> dict:
+    out = {}
+    for line in stderr.splitlines():
+        if line.startswith("drama3-patches: skipping report "):
+            path, _, why = line[len("drama3-patches: skipping report "):].partition(": ")
+            out[os.path.basename(path)] = why
+    return out
+
+
+def test_planted_and_malformed_files_are_skipped_with_owner_and_reason(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    _write(reports, "100.json", report(100))
+    os.mkfifo(reports / "101.json")  # nobody writes: a blocking open would hang the command
+    secret = tmp_path / "secret.json"
+    _write(tmp_path, "secret.json", report(102, reason="a file the link points at"))
+    os.symlink(secret, reports / "102.json")
+    with open(reports / "103.json", "wb") as fh:
+        fh.truncate(2 * 1024 * 1024)  # sparse: refused by its size
+    _write(reports, "104.json", {"pid": 104, "patches": [{"id": ["x"], "state": 1, "reason": None}]})
+    _write(reports, "105.json", report(1))  # claims another process's pid
+    _write(reports, "106.json", report(106, argv="vllm serve"))
+    _write(reports, "107.json", '{"pid": 107, "patches": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (reports / "108.json").write_bytes(b'{"pid": 108, "patches": [], "platform": "\xff"}')
+    _write(reports, "109.json", report(109, reason="\x1b]0;owned\x07\x1b[2J\x1b[31mred\x9b"))
+    r = _collect(reports)
+    assert "Traceback" not in r.stderr
+    assert r.returncode == 0, r.stderr
+    me = os.geteuid()
+    skips = _skips(r.stderr)
+    assert set(skips) == {f"{n}.json" for n in range(101, 109)}, r.stderr
+    assert skips["101.json"].startswith("not a regular file (a FIFO); a report must be one (owner ")
+    assert skips["102.json"].startswith("a symbolic link; not followed (owner ")
+    assert skips["103.json"].startswith("2.0 MiB, over the 1.0 MiB limit for a report (owner ")
+    assert skips["104.json"].startswith("a patch entry's id, state or reason is not text (owner ")
+    assert skips["105.json"].startswith("says pid 1 but is named 105.json (owner ")
+    assert skips["106.json"].startswith("argv is not a list of text (owner ")
+    assert skips["107.json"].startswith("not valid JSON: ")
+    assert skips["108.json"].startswith("unreadable: not UTF-8 (invalid start byte) (owner ")
+    assert all(why.endswith(f"uid {me})") for why in skips.values()), skips
+    # Shown: the two good reports; the escapes as text, none reaching the terminal.
+    assert "2 process report(s)" in r.stdout
+    assert "\x1b" not in r.stdout + r.stderr and "\x07" not in r.stdout and "\x9b" not in r.stdout
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\x1b[31mred\\x9b" in r.stdout
+    assert "a file the link points at" not in r.stdout
+    data = json.loads(_collect(reports, "--json").stdout)
+    assert sorted(p["pid"] for p in data["processes"]) == [100, 109] and len(data["skipped"]) == 8
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another owner needs root")
+def test_a_report_of_another_owner_is_skipped_unless_trusted(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    _write(reports, "200.json", report(200))
+    _write(reports, "201.json", report(201, reason="planted by uid 54321"))
+    os.chown(reports / "201.json", 54321, 54321)  # any uid but ours and root's: no account needed
+    r = _collect(reports)
+    assert r.returncode == 0 and "1 process report(s)" in r.stdout and "planted" not in r.stdout
+    why = _skips(r.stderr)["201.json"]
+    assert why.startswith("owner ") and "uid 54321: not you or root, so possibly planted; --trust " in why
+    r = _collect(reports, "--trust", "54321")
+    assert "2 process report(s)" in r.stdout and "planted by uid 54321" in r.stdout and not _skips(r.stderr)
+    r = _collect(reports, "--trust", "no-such-user-d3p")
+    assert (r.returncode, r.stderr.strip()) == (2, "drama3-patches status: --trust 'no-such-user-d3p': no such user")
+
+
+def test_a_folder_others_can_write_is_said(tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    os.chmod(reports, 0o777)
+    _write(reports, "300.json", report(300))
+    r = _collect(reports)
+    assert r.returncode == 0 and "1 process report(s)" in r.stdout
+    assert "the folder is writable by others (mode 777): only reports of trusted owners are shown" in r.stderr
