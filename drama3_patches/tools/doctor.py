@@ -232,18 +232,42 @@ def check_pairings(installed) -> list[Check]:
     return checks
 
 
+# The probe's answer is one tagged line: torch_npu and CANN print to stdout as they please
+# (banners, warnings, at exit too), so the answer is found by its tag, not by position.
+_PROBE_TAG = "DRAMA3_NPU_PROBE "
 _NPU_PROBE = """
 import json, sys
+def answer(d):
+    sys.stdout.write("\\n" + %r + json.dumps(d) + "\\n"); sys.stdout.flush()
 try:
     import torch, torch_npu
 except Exception as exc:
-    print(json.dumps({"import_error": f"{type(exc).__name__}: {exc}"})); sys.exit(0)
+    answer({"import_error": f"{type(exc).__name__}: {exc}"}); sys.exit(0)
 try:
     n = torch.npu.device_count()
 except Exception as exc:
-    print(json.dumps({"count_error": f"{type(exc).__name__}: {exc}"})); sys.exit(0)
-print(json.dumps({"count": n, "torch_npu": getattr(torch_npu, "__version__", "?"), "torch": torch.__version__}))
-"""
+    answer({"count_error": f"{type(exc).__name__}: {exc}"}); sys.exit(0)
+answer({"count": n, "torch_npu": str(getattr(torch_npu, "__version__", "?")), "torch": str(torch.__version__)})
+""" % _PROBE_TAG
+
+
+def parse_probe(stdout: str) -> dict | None:
+    """The probe's answer from its last tagged line, checked for the types ``check_npu`` reads;
+    None when there is none."""
+    tagged = [ln[len(_PROBE_TAG):] for ln in stdout.splitlines() if ln.startswith(_PROBE_TAG)]
+    if not tagged:
+        return None
+    try:
+        out = json.loads(tagged[-1])
+    except ValueError:
+        return None
+    if not isinstance(out, dict):
+        return None
+    if "count" in out and (isinstance(out["count"], bool) or not isinstance(out["count"], int)):
+        return {"count_error": f"torch.npu.device_count() gave {out['count']!r}, not a number"}
+    if not any(k in out for k in ("count", "import_error", "count_error")):
+        return None
+    return {k: str(v) if k != "count" else v for k, v in out.items()}
 
 
 def probe_npu(timeout: float = 120.0) -> dict:
@@ -256,11 +280,14 @@ def probe_npu(timeout: float = 120.0) -> dict:
         r = subprocess.run([sys.executable, "-c", _NPU_PROBE], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"import_error": f"importing torch_npu took over {timeout:g} s"}
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
+    answer = parse_probe(r.stdout)
+    if r.returncode != 0:
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"import_error": f"the import crashed (exit {r.returncode}): {tail}"}
-    return json.loads(lines[-1])
+        return {"import_error": f"the import crashed (exit {r.returncode}): {tail[:300]}"}
+    if answer is None:
+        tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
+        return {"import_error": f"the probe gave no answer (its last line: {tail[:300]!r})"}
+    return answer
 
 
 def check_npu(probe: dict, env, torch_version: str | None) -> list[Check]:

@@ -279,6 +279,24 @@ def test_probe_reports_an_import_error_and_a_crash(tmp_path):
     assert out["import_error"] == "the import crashed (exit 139): Segmentation fault"
 
 
+def test_probe_finds_its_answer_among_what_torch_npu_prints(tmp_path):
+    """torch_npu (and CANN) print banners to stdout, at import and at exit: the answer is the
+    tagged line, wherever it is; an answer of the wrong type or none at all is a failed check."""
+    pytest.importorskip("torch")
+    d = _fake_torch_npu(tmp_path, "import atexit, torch, types\n__version__ = '9.9'\n"
+                                  "print('[INFO] CANN banner {not json')\n"
+                                  "atexit.register(print, 'torch_npu: shutting down')\n"
+                                  "torch.npu = types.SimpleNamespace(device_count=lambda: 3)\n")
+    out = _probe_with(d)
+    assert out["count"] == 3 and out["torch_npu"] == "9.9"
+    d2 = tmp_path / "odd"
+    d2.mkdir()
+    d = _fake_torch_npu(d2, "import torch, types\ntorch.npu = types.SimpleNamespace(device_count=lambda: '3')\n")
+    assert _probe_with(d) == {"count_error": "torch.npu.device_count() gave '3', not a number"}
+    assert doctor.parse_probe("banner\nDRAMA3_NPU_PROBE [1]\n") is None
+    assert doctor.parse_probe("DRAMA3_NPU_PROBE {\"count\": 2}\nbye\n") == {"count": 2}
+
+
 def test_command_on_this_host():
     """On a host without torch_npu the doctor says not ready and how to fix it."""
     import importlib.util
