@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import os
 from importlib import metadata
 from pathlib import Path
 
@@ -202,6 +203,26 @@ def test_command_bad_input_gets_one_clear_line(tmp_path):
     r = run_cli("deploy-config", "--out", str(tmp_path / "missing" / "x.yaml"))
     assert r.returncode == 1
     assert "cannot write" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_out_never_overwrites_without_force(tmp_path):
+    out = tmp_path / "deploy.yaml"
+    out.write_text("# the operator's own edits\n")
+    r = run_cli("deploy-config", "910b-tp2-ep", "--out", str(out))
+    assert (r.returncode, r.stderr.strip()) == (2, f"drama3-patches deploy-config: {out} exists; pass --force to "
+                                                   "overwrite it")
+    assert out.read_text() == "# the operator's own edits\n"
+    link = tmp_path / "link.yaml"
+    link.symlink_to(tmp_path / "elsewhere.yaml")  # a dangling link exists too: not written through
+    r = run_cli("deploy-config", "--out", str(link))
+    assert r.returncode == 2 and not (tmp_path / "elsewhere.yaml").exists()
+    r = run_cli("deploy-config", "910b-tp2-ep", "--out", str(out), "--force")
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == (DEPLOY_DIR / "drama3_910b_tp2_ep.yaml").read_text()
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # no reader: a blocking open for writing would hang
+    r = run_cli("deploy-config", "--out", str(fifo), "--force", timeout=60)
+    assert r.returncode == 1 and "cannot write" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 # Run with DRAMA3_PATCHES=1 and the platform npu (a vllm-ascend stand-in makes runner-selection's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -16,9 +17,28 @@ def register(sub) -> None:
         ),
     )
     p.add_argument("profile", nargs="?", default=DEFAULT_PROFILE, help=f"profile name (default {DEFAULT_PROFILE})")
-    p.add_argument("--out", metavar="FILE", help="write the config to FILE instead of standard output")
+    p.add_argument("--out", metavar="FILE", help="write the config to FILE instead of standard output "
+                                                 "(a new file; an existing one only with --force)")
+    p.add_argument("--force", action="store_true", help="with --out: overwrite FILE if it exists")
     p.add_argument("--list", action="store_true", help="list the profiles and exit")
     p.set_defaults(func=run)
+
+
+def _write(path: str, text: str, force: bool) -> None:
+    """A new file (created exclusively), or with ``force`` an existing regular one truncated;
+    opened non-blocking so a FIFO at ``path`` is an error, not a hang."""
+    import stat
+
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | (os.O_TRUNC if force else os.O_EXCL)
+    fd = os.open(path, flags, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
+            fh.write(text)
+    finally:
+        os.close(fd)
 
 
 def run(args) -> int:
@@ -42,11 +62,16 @@ def run(args) -> int:
             print(f"drama3-patches deploy-config: {args.profile}: {line}", file=sys.stderr)
         return 1
     if args.out:
+        if not args.force and os.path.lexists(args.out):
+            print(f"drama3-patches deploy-config: {args.out} exists; pass --force to overwrite it", file=sys.stderr)
+            return 2
         try:
-            with open(args.out, "w", encoding="utf-8") as fh:
-                fh.write(text)
+            _write(args.out, text, args.force)
+        except FileExistsError:  # created between the check and the write
+            print(f"drama3-patches deploy-config: {args.out} exists; pass --force to overwrite it", file=sys.stderr)
+            return 2
         except OSError as exc:
-            print(f"drama3-patches deploy-config: cannot write {args.out}: {exc.strerror}", file=sys.stderr)
+            print(f"drama3-patches deploy-config: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
             return 1
         print(f"wrote {args.profile} to {args.out}", file=sys.stderr)
     else:
