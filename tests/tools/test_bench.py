@@ -232,7 +232,7 @@ def test_wer_and_sim_columns_say_why_they_are_empty(tmp_path):
 @pytest.mark.parametrize("case", ["no_meta", "bad_line", "pcm_no_rate", "bad_levels", "no_ref", "bad_url",
                                   "two_asr", "reference_without_plot", "plot_folder", "bad_port", "no_host",
                                   "json_folder", "meta_not_utf8", "huge_ref", "fifo_ref", "fifo_meta",
-                                  "bad_timeout"])
+                                  "bad_timeout", "json_exists"])
 def test_bad_input_gets_one_clear_line(tmp_path, case):
     meta = write_meta(tmp_path, ["audio=0.2"])
     args = ["--url", "http://127.0.0.1:9", "--meta", str(meta)]
@@ -252,6 +252,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         "fifo_ref": "ref0.wav: not a regular file (a FIFO); a reference audio must be one",
         "fifo_meta": "meta.lst: not a regular file (a FIFO); a meta list must be one",
         "bad_timeout": "--timeout must be a number of seconds above 0, got 0",
+        "json_exists": f"--json {tmp_path / 'old.json'} exists; pass --force to overwrite it",
     }[case]
     if case == "no_meta":
         args[3] = str(tmp_path / "missing.lst")
@@ -286,6 +287,9 @@ def test_bad_input_gets_one_clear_line(tmp_path, case):
         os.mkfifo(target)  # nobody writes: an open() that blocks would hang the command
     elif case == "bad_timeout":
         args += ["--timeout", "0"]
+    elif case == "json_exists":
+        (tmp_path / "old.json").write_text("{}")
+        args += ["--json", str(tmp_path / "old.json")]
     else:
         args[1] = "127.0.0.1:9"
     r = _cli(*args, timeout=60)

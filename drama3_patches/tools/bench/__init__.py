@@ -50,6 +50,7 @@ def register(sub) -> None:
                                                  "(vllm bench serve's key names; TTFT there is TTFA)")
     o.add_argument("--plot", metavar="OUT.png", help="draw audio s/s and TTFA p50/p99 against concurrency")
     o.add_argument("--reference", choices=("port",), help="with --plot: add the port's published numbers")
+    o.add_argument("--force", action="store_true", help="overwrite an existing --json or --plot file")
     o.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=run)
 
@@ -94,6 +95,8 @@ def _check_args(args) -> str | None:
                 return f"{flag} {out}: folder {folder} does not exist"
             if os.path.isdir(out):
                 return f"{flag} {out} is a folder; give a file name"
+            if os.path.lexists(out) and not args.force:
+                return f"{flag} {out} exists; pass --force to overwrite it"
     return None
 
 
