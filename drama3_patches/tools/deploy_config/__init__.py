@@ -62,13 +62,14 @@ def run(args) -> int:
             print(f"drama3-patches deploy-config: {args.profile}: {line}", file=sys.stderr)
         return 1
     if args.out:
+        exists = f"drama3-patches deploy-config: {args.out} exists; pass --force to overwrite it"
         if not args.force and os.path.lexists(args.out):
-            print(f"drama3-patches deploy-config: {args.out} exists; pass --force to overwrite it", file=sys.stderr)
+            print(exists, file=sys.stderr)
             return 2
         try:
             _write(args.out, text, args.force)
         except FileExistsError:  # created between the check and the write
-            print(f"drama3-patches deploy-config: {args.out} exists; pass --force to overwrite it", file=sys.stderr)
+            print(exists, file=sys.stderr)
             return 2
         except OSError as exc:
             print(f"drama3-patches deploy-config: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
