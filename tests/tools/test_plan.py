@@ -370,6 +370,17 @@ def test_wrong_types_in_a_deploy_file_are_one_line(tmp_path, ckpt, case):
     assert len(lines) == 1 and lines[0].startswith("drama3-patches plan: ") and expect.format(f) in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("option,value,expect", [
+    ("--card-gib", "0", "--card-gib must be a finite number of GiB above 0, got 0"),
+    ("--card-gib", "inf", "--card-gib must be a finite number of GiB above 0, got inf"),
+    ("--reserve-gib", "nan", "--reserve-gib must be a finite number of GiB at least 0, got nan"),
+    ("--reserve-gib", "-3", "--reserve-gib must be a finite number of GiB at least 0, got -3"),
+])
+def test_numeric_options_out_of_range_are_one_line(ckpt, option, value, expect):
+    r = _cli(str(ckpt), "--card", "910b1", option, value, "-q")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", f"drama3-patches plan: {expect}\n")
+
+
 def test_nested_config_sections(tmp_path, ckpt):
     """A non-Drama omni config.json: the language model's fields under text_config, another tower beside it."""
     d = tmp_path / "omni"

@@ -117,6 +117,11 @@ def run(args) -> int:
         print(f"drama3-patches plan: {msg}", file=sys.stderr)
         return code
 
+    from drama3_patches.tools.plan.inputs import check_options
+
+    bad = check_options(args)
+    if bad:
+        return fail(bad)
     try:
         card = lookup(args.card, args.card_gib, args.mxfp8)
     except UnknownCard as exc:

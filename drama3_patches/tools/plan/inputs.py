@@ -223,3 +223,13 @@ def _what(value) -> str:
     if kind in ("a mapping", "a list"):
         return kind
     return f"{kind or type(value).__name__} ({shown})"
+
+
+def check_options(args) -> str | None:
+    """Why the numeric options cannot be planned with (NaN, infinite, negative), or None."""
+    for flag, value, low_open in (("--card-gib", args.card_gib, True), ("--reserve-gib", args.reserve_gib, False)):
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (low_open and value == 0):
+            return f"{flag} must be a finite number of GiB {'above' if low_open else 'at least'} 0, got {value:g}"
+    return None
