@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
+from support.hostile import hostile_user  # noqa: F401 (a fixture)
 from support.subproc import run_cli
 
 
@@ -79,19 +78,21 @@ def test_planted_and_malformed_files_are_skipped_with_owner_and_reason(tmp_path)
     assert sorted(p["pid"] for p in data["processes"]) == [100, 109] and len(data["skipped"]) == 8
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another owner needs root")
-def test_a_report_of_another_owner_is_skipped_unless_trusted(tmp_path):
-    reports = tmp_path / "reports"
-    reports.mkdir()
+def test_a_report_planted_by_another_user_is_skipped_unless_trusted(hostile_user):
+    """A throwaway local account writes a forged report into a folder both can write (as /tmp
+    is): collect names that account and skips it; --trust ACCOUNT shows it."""
+    reports = hostile_user.shared
     _write(reports, "200.json", report(200))
-    _write(reports, "201.json", report(201, reason="planted by uid 54321"))
-    os.chown(reports / "201.json", 54321, 54321)  # any uid but ours and root's: no account needed
+    forged = json.dumps(report(201, reason="\x1b[2Jforged by the other account"))
+    hostile_user.sh('printf %s "$1" > "$2"', forged, reports / "201.json")
     r = _collect(reports)
-    assert r.returncode == 0 and "1 process report(s)" in r.stdout and "planted" not in r.stdout
+    assert r.returncode == 0 and "1 process report(s)" in r.stdout and "forged" not in r.stdout
     why = _skips(r.stderr)["201.json"]
-    assert why.startswith("owner ") and "uid 54321: not you or root, so possibly planted; --trust " in why
-    r = _collect(reports, "--trust", "54321")
-    assert "2 process report(s)" in r.stdout and "planted by uid 54321" in r.stdout and not _skips(r.stderr)
+    assert why == (f"owner {hostile_user.name}, uid {hostile_user.uid}: not you or root, so possibly planted; "
+                   f"--trust {hostile_user.name} shows it")
+    r = _collect(reports, "--trust", hostile_user.name)
+    assert "2 process report(s)" in r.stdout and "\\x1b[2Jforged by the other account" in r.stdout
+    assert not _skips(r.stderr) and "\x1b" not in r.stdout
     r = _collect(reports, "--trust", "no-such-user-d3p")
     assert (r.returncode, r.stderr.strip()) == (2, "drama3-patches status: --trust 'no-such-user-d3p': no such user")
 
