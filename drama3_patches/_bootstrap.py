@@ -20,9 +20,13 @@ ACTIVATE = "drama3_patches.engine:activate"
 
 
 def _call(hook: str, *args) -> None:
-    import pkgutil
+    """Run the engine; its errors never fail the host's import unless DRAMA3_PATCHES_STRICT=1."""
+    try:
+        import pkgutil
 
-    pkgutil.resolve_name(hook)(*args)
+        pkgutil.resolve_name(hook)(*args)
+    except Exception as exc:  # a broken manifest, a missing dependency, an engine bug
+        env.soft_failure("drama3-patches could not patch", exc)
 
 
 def scan_target_modules(text: str) -> list[str]:
@@ -147,10 +151,10 @@ def activate() -> None:
     if not env.enabled():
         return
     try:
-        with open(env.manifest_path(), encoding="utf-8") as f:
-            modules = scan_target_modules(f.read())
+        modules = scan_target_modules(env.read_text_file(env.manifest_path()))
     except OSError as exc:
-        env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply")
+        env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply "
+                      f"(point {env.MANIFEST} at a readable manifest file, or unset it)")
         return
     install_trigger(modules)
     # Late start: a target imported before us (rare at .pth time) is patched now.

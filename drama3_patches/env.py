@@ -7,6 +7,7 @@ A leaf: standard library only, and it imports nothing of this package, so the
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 ENABLE = "DRAMA3_PATCHES"
@@ -15,6 +16,7 @@ STRICT = "DRAMA3_PATCHES_STRICT"
 PLATFORM = "DRAMA3_PATCHES_PLATFORM"
 REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
 MANIFEST = "DRAMA3_PATCHES_MANIFEST"
+TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -28,6 +30,49 @@ def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         sys.stderr.write(f"drama3-patches: warning: {message}\n")
+
+
+def soft_failure(what: str, exc: BaseException) -> None:
+    """An error of ours inside the host's import: raised under STRICT, else one warning per process.
+
+    Outside DRAMA3_PATCHES_STRICT=1 nothing the package does may make the host's
+    import fail; the process goes on with the original code.
+    """
+    if strict():
+        raise exc
+    cause = " ".join(str(exc).split())  # one line, even for YAML's multi-line messages
+    warn_once(
+        "soft-failure",
+        f"{what}: {type(exc).__name__}: {cause}; this process runs unpatched "
+        f"(fix the cause, or set {STRICT}=1 to make this an error)",
+    )
+
+
+# The shipped manifest is about 20 KB; anything past this is not a manifest.
+MANIFEST_MAX_BYTES = 1 << 20
+
+
+def read_text_file(path: str, limit: int = MANIFEST_MAX_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes; OSError naming the problem.
+
+    Runs at every interpreter start: a FIFO, a device (``/dev/zero``) or a huge
+    file must neither block nor fill memory, and a bad byte is an error message,
+    not a traceback.  ``O_NONBLOCK`` keeps opening a FIFO from waiting for a writer.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise OSError(f"{path} is {st.st_size} bytes, more than the {limit} a manifest may have")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path} grew past {limit} bytes while being read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OSError(f"{path} is not UTF-8 text ({exc})") from None
 
 
 def flag_value(raw: str | None) -> bool | None:
@@ -61,6 +106,11 @@ def enabled() -> bool:
 
 def strict() -> bool:
     return parse_flag(STRICT)
+
+
+def tp_check() -> bool:
+    """Compare each step's sampled frames across the tensor-parallel group (off by default)."""
+    return parse_flag(TP_CHECK)
 
 
 def disabled_ids() -> set[str]:

@@ -11,7 +11,11 @@ from __future__ import annotations
 def register() -> None:
     from drama3_patches import env
 
-    if env.enabled():
+    if not env.enabled():
+        return
+    try:
         from drama3_patches.engine import activate
 
         activate()
+    except Exception as exc:  # vLLM must not die at plugin load because of us (outside STRICT)
+        env.soft_failure("drama3-patches could not patch", exc)

@@ -12,6 +12,7 @@ module has executed, or by the package API and ``drama3-patches status``.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from drama3_patches.engine.core import Engine, PatchError
@@ -25,6 +26,18 @@ __all__ = [
 
 _ENGINE: Engine | None = None
 _ENGINE_LOCK = threading.Lock()
+
+
+def _new_locks_in_child() -> None:
+    # A lock another thread held at fork() stays held forever in the child (that thread
+    # does not exist there): every lock of the engine is made anew.
+    global _ENGINE_LOCK
+    _ENGINE_LOCK = threading.Lock()
+    if _ENGINE is not None:
+        _ENGINE.new_locks()
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
 def get_engine() -> Engine:

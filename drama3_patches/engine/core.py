@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from drama3_patches import env
 from drama3_patches._bootstrap import install_trigger
-from drama3_patches.engine.install import Installer, Resolved, TargetAbsent, resolve
+from drama3_patches.engine.install import Installer, Resolved, TargetAbsent, resolve, still_executing
 from drama3_patches.engine.state import (
     ALONGSIDE,
     APPLIED,
@@ -48,6 +48,7 @@ class PatchError(RuntimeError):
 class Engine:
     def __init__(self, manifest: Manifest | None = None):
         self._manifest = manifest
+        self._manifest_error: Exception | None = None
         self.forced = False
         self._records: dict[str, PatchRecord] | None = None
         self._installer = Installer()
@@ -59,8 +60,20 @@ class Engine:
     @property
     def manifest(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = load_manifest()
+            if self._manifest_error is not None:
+                raise self._manifest_error  # read once: a broken manifest is not re-read at every import
+            try:
+                self._manifest = load_manifest()
+            except Exception as exc:
+                self._manifest_error = exc
+                raise
         return self._manifest
+
+    def new_locks(self) -> None:
+        """Fresh locks in a forked child: one another thread held at fork() would never be released."""
+        self._init_lock = threading.Lock()
+        for rec in (self._records or {}).values():
+            rec.lock = threading.RLock()
 
     @property
     def records(self) -> dict[str, PatchRecord]:
@@ -104,7 +117,7 @@ class Engine:
                 for tr in rec.targets.values():
                     if tr.target.module == module_name and tr.state != APPLIED:
                         tr.state, tr.reason = PENDING, "target module re-executed"
-            self._evaluate(rec)
+            self._evaluate(rec, executed=module_name)
 
     def unapply(self, ids: Iterable[str] | None = None) -> None:
         for rec in self._select(ids):
@@ -183,11 +196,11 @@ class Engine:
                 return why
         return None
 
-    def _evaluate(self, rec: PatchRecord) -> None:
+    def _evaluate(self, rec: PatchRecord, executed: str | None = None) -> None:
         with rec.lock:
             before = fingerprint(rec)
             try:
-                self._evaluate_locked(rec)
+                self._evaluate_locked(rec, executed)
             finally:
                 self._settled(rec, before)
 
@@ -196,7 +209,9 @@ class Engine:
         if fingerprint(rec) != before:
             write_report(self)
 
-    def _evaluate_locked(self, rec: PatchRecord) -> None:
+    def _evaluate_locked(self, rec: PatchRecord, executed: str | None = None) -> None:
+        """``executed``: the module whose trigger called us (its body has run, though importlib
+        still marks it initializing until the trigger returns)."""
         skip = self._guard(rec)
         if skip is not None:
             for tr in rec.targets.values():
@@ -220,10 +235,17 @@ class Engine:
         if broken:
             self._drift(rec, broken)
             return
-        ready = [
-            tr for tr in rec.targets.values()
-            if tr.state == PENDING and tr.target.module in sys.modules
-        ]
+        ready = []
+        for tr in rec.targets.values():
+            if tr.state != PENDING or tr.target.module not in sys.modules:
+                continue
+            if tr.target.module != executed and still_executing(sys.modules[tr.target.module]):
+                # Another thread (or an import further up this one's stack) is still running the
+                # module's body: its names may not exist yet, which is not drift.  Its own trigger
+                # (or the next evaluation) comes back to it once the body has run.
+                tr.reason = "target module still executing"
+                continue
+            ready.append(tr)
         if not ready:
             return
         resolved: dict[str, Resolved] = {}

@@ -41,6 +41,18 @@ class Resolved:
     had_own: bool  # defined on ``owner`` itself, not inherited: restore sets it back instead of deleting
 
 
+def still_executing(module: Any) -> bool:
+    """Whether importlib is still running ``module``'s body (in this thread or another).
+
+    importlib puts a module in ``sys.modules`` before executing it and sets
+    ``__spec__._initializing`` for the time of the execution (``_load_unlocked``);
+    a name looked up meanwhile may simply not be defined yet.  Waiting on the
+    module's import lock instead could deadlock: the thread executing it may be
+    waiting for the patch lock this thread holds.
+    """
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def resolve(target: Target) -> Resolved:
     """Where ``target`` lives in the imported code; TargetAbsent naming what is missing."""
     from wrapt import resolve_path

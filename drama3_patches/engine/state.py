@@ -138,21 +138,102 @@ def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[
 _report_lock = threading.Lock()
 
 
+def _new_report_lock() -> None:
+    # A fork while another thread writes would leave the child's copy held forever.
+    global _report_lock
+    _report_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_report_lock)
+
+REDACTED = "*"
+
+
+def redacted_argv(argv: list[str]) -> list[str]:
+    """The program name and option names of ``argv``; every value becomes ``*``.
+
+    Command lines carry API keys and tokens (``--api-key sk-...``): a report keeps
+    only what tells processes apart (``vllm``, ``--port``), never a value.
+    """
+    out = [os.path.basename(str(argv[0]))] if argv else []
+    for word in map(str, argv[1:]):
+        if word.startswith("-") and len(word) > 1 and not word[1:2].isdigit():
+            name, eq, _ = word.partition("=")
+            out.append(f"{name}={REDACTED}" if eq else name)
+        else:
+            out.append(REDACTED)
+    return out
+
+
+def _report_dir_fd(directory: str) -> int:
+    """An fd of the report folder, made private when absent; OSError/PermissionError naming the problem.
+
+    A folder another user owns or can write to is refused: there they could swap the
+    report for a link or a FIFO, or read what the processes write.  The checks are
+    made on the open fd, and the file is created relative to it, so a rename of the
+    path after the check changes nothing.
+    """
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(directory, 0o700, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"the folder belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()})")
+        if st.st_mode & 0o022:
+            raise PermissionError(f"the folder is writable by others (mode {st.st_mode & 0o7777:04o}); "
+                                  "make it private: chmod 700")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_report(engine) -> None:
-    """Write ``$DRAMA3_PATCHES_REPORT_DIR/<pid>.json`` (atomically) if the variable is set."""
+    """Write ``$DRAMA3_PATCHES_REPORT_DIR/<pid>.json`` (atomically, mode 0600) if the variable is set.
+
+    The text goes to a temporary file of random name, created exclusively and
+    without following links, then is renamed over ``<pid>.json``: nothing planted
+    in the folder is opened, followed or blocked on.
+    """
     directory = os.environ.get(env.REPORT_DIR)
     if not directory:
         return
     with _report_lock:
         try:
-            os.makedirs(directory, exist_ok=True)
             data = engine.snapshot()
-            data["argv"] = list(sys.argv)
+            data["argv"] = redacted_argv(sys.argv)
             data["written_at"] = time.time()
-            path = os.path.join(directory, f"{os.getpid()}.json")
-            tmp = f"{path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
+            text = json.dumps(data, indent=1, sort_keys=True).encode("utf-8")
+            dir_fd = _report_dir_fd(directory)
+            try:
+                name = f"{os.getpid()}.json"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+                for _ in range(16):  # a name taken (planted or left over) is never reused: draw again
+                    tmp = f".{os.getpid()}.{os.urandom(8).hex()}.tmp"
+                    try:
+                        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+                        break
+                    except FileExistsError:
+                        continue
+                else:
+                    raise FileExistsError("no free temporary name in the folder")
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(text)
+                    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                except BaseException:
+                    try:
+                        os.unlink(tmp, dir_fd=dir_fd)
+                    except OSError:
+                        pass
+                    raise
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
-            env.warn_once("report-dir", f"cannot write the status report to {directory}: {exc}")
+            env.warn_once("report-dir", f"cannot write the status report to {directory}: {exc}; "
+                          f"no report is written (set {env.REPORT_DIR} to a folder of this user, mode 700)")

@@ -8,6 +8,7 @@ process), so global state (import hooks, patched classes) never leaks between te
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -428,7 +429,10 @@ def test_report_dir_written_on_change(sandbox):
     data = json.loads((reports / f"{pid}.json").read_text())
     assert data["patches"][0]["id"] == "selftest"
     assert data["patches"][0]["state"] == "applied"
-    assert data["argv"] == argv
+    # The program name stays; every argument value is redacted (a command line can carry an API key).
+    assert data["argv"] == [os.path.basename(argv[0])] + ["*"] * (len(argv) - 1)
+    assert (reports / f"{pid}.json").stat().st_mode & 0o777 == 0o600
+    assert reports.stat().st_mode & 0o777 == 0o700
     # Without the variable nothing is written.
     before = sorted(reports.iterdir())
     run(import_and_call, sandbox(), "d3p_target", "greet", ["x"])

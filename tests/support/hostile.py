@@ -27,6 +27,17 @@ class Hostile:
         pw = pwd.getpwnam(name)
         self.name, self.uid, self.gid, self.shared = name, pw.pw_uid, pw.pw_gid, shared
 
+    def plant_for_next_pids(self, folder: Path, suffix: str, count: int, link_to: Path | None = None) -> range:
+        """Plant, for each of the next ``count`` pids the kernel hands out, ``<pid><suffix>`` in ``folder``:
+        a symbolic link to ``link_to``, else a FIFO.  One process does it all, so it uses up no more
+        than a pid or two of the range it guesses (pids are handed out in sequence)."""
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if python is None or not os.path.exists("/proc/sys/kernel/ns_last_pid"):
+            pytest.skip("no system python3 or no /proc/sys/kernel/ns_last_pid to guess pids with")
+        out = self.sh(f'exec {python} -c "$1" "$2" "$3" "$4" "$5"', PLANT, folder, suffix, count, link_to or "")
+        first, last = map(int, out.split())
+        return range(first, last)
+
     def sh(self, script: str, *args: str) -> str:
         """Run a shell script as the hostile user (``$1``... are ``args``); its stdout."""
         proc = subprocess.run(["/bin/sh", "-c", script, "sh", *map(str, args)], user=self.uid, group=self.gid,
@@ -54,6 +65,17 @@ def hostile_user():
         subprocess.run(["userdel", name], capture_output=True, timeout=60)
         subprocess.run(["groupdel", name], capture_output=True, timeout=60)  # where userdel left the group
 
+
+PLANT = """
+import os, sys
+folder, suffix, count, target = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+with open("/proc/sys/kernel/ns_last_pid") as f:
+    first = int(f.read()) + 1
+for pid in range(first, first + count):
+    path = os.path.join(folder, f"{pid}{suffix}")
+    os.symlink(target, path) if target else os.mkfifo(path)
+print(first, first + count)
+"""
 
 EVIL_SOURCE = r"""
 #include <stdio.h>
