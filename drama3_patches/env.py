@@ -17,6 +17,7 @@ PLATFORM = "DRAMA3_PATCHES_PLATFORM"
 REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
 MANIFEST = "DRAMA3_PATCHES_MANIFEST"
 TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
+TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -106,6 +107,11 @@ def enabled() -> bool:
 
 def strict() -> bool:
     return parse_flag(STRICT)
+
+
+def tp_check() -> bool:
+    """Compare each step's sampled frames across the tensor-parallel group (off by default)."""
+    return parse_flag(TP_CHECK)
 
 
 def tp_check() -> bool:

@@ -10,6 +10,7 @@ import yaml
 
 from drama3_patches._bootstrap import scan_target_modules
 from drama3_patches.manifest import ManifestError, load_manifest, parse_manifest
+from support.replicas import PIL_QWEN2VL_ENV, PIL_QWEN2VL_PATH
 from support.selftest import write_manifest, write_target
 from support.subproc import ROOT, call, run_cli
 
@@ -18,8 +19,9 @@ CONTRACT_IDS = [
     "runner-selection", "lora-count-forwarding", "mamba-prefill-end", "qwen3next-eager-attention",
     "tower-sampler-eager", "preemption-host-copy", "fp8-expert-method",
 ]
-# Added for the published fish_omni (its GDN swap is CUDA-only); beyond the original contract.
-EXTRA_IDS = ["gdn-backbone-ascend"]
+# Added for the published fish_omni (its GDN swap is CUDA-only; its tensor-parallel refusal and
+# whole-head tower); beyond the original contract.
+EXTRA_IDS = ["gdn-backbone-ascend", "fish-omni-tensor-parallel", "fish-omni-tower-tp-split"]
 
 
 def test_shipped_manifest_is_valid_and_has_the_contract_ids():
@@ -141,12 +143,13 @@ def test_status_table_and_unimportable_targets(sandbox, tmp_path):
     # Default (shipped) manifest on this host, dry-run as npu: a patch whose distributions are
     # not installed or out of range is skipped and says which; the fish_omni patches apply on the
     # real vLLM-Omni 0.32.0rc1; nothing fails (no drift between the manifest and the real pair).
-    proc = run_cli("status", "--json", "--import-targets",
-                   env={"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu"})
+    proc = run_cli("status", "--json", "--import-targets", pythonpath=PIL_QWEN2VL_PATH,
+                   env={"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu", **PIL_QWEN2VL_ENV})
     assert proc.returncode == 0, proc.stderr
     from drama3_patches.versions import check
 
-    applied_here = {"tower-sampler-eager", "preemption-host-copy", "gdn-backbone-ascend"}
+    applied_here = {"tower-sampler-eager", "preemption-host-copy", "gdn-backbone-ascend", "fish-omni-tensor-parallel",
+                    "fish-omni-tower-tp-split"}
     for p in json.loads(proc.stdout)["patches"]:
         unmet = [why for ok, why in (check(d, s) for d, s in load_manifest(SHIPPED).get(p["id"]).requires.items())
                  if not ok]

@@ -61,6 +61,13 @@ def has_fish_omni() -> bool:
 FISH_OMNI_ABSENT = "this vllm-omni has no fish_omni (Drama 3 is published from vllm-omni 0.32.0rc1 on)"
 needs_fish_omni = pytest.mark.skipif(not has_fish_omni(), reason=FISH_OMNI_ABSENT)
 
+# fish_omni_model imports vLLM's qwen3_5 -> qwen3_vl -> transformers' Qwen2-VL image processor, whose
+# module imports torchvision (no build loads beside CPU torch here). A child that imports the model
+# module runs with the e2e tier's start-up hook, which serves that module from its PIL sibling:
+# ``call(..., pythonpath=PIL_QWEN2VL_PATH, env=PIL_QWEN2VL_ENV)``.
+PIL_QWEN2VL_PATH = [REPLICAS.parent / "e2e" / "site"]
+PIL_QWEN2VL_ENV = {"DRAMA3_E2E_PIL_QWEN2VL": "1"}
+
 
 def omni_npu_runners(version: str | None = None) -> Path:
     """The folder of NPU runner stand-ins for ``version`` (default: the installed vllm-omni)."""

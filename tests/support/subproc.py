@@ -103,6 +103,42 @@ def call(func, *args, env: dict | None = None, pythonpath: list | None = None, t
     return {"result": result, "output": proc.stdout + proc.stderr, "stderr": proc.stderr} if with_output else result
 
 
+def call_ranks(func, world_size: int, *args, env: dict | None = None, pythonpath: list | None = None,
+               timeout: float = 600) -> list:
+    """``func(*args)`` in ``world_size`` fresh interpreters at once, one per rank of a process
+    group; returns their results by rank. Each child finds its rank, the world size and a shared
+    ``file://`` rendezvous in ``DRAMA3_TEST_RANK``, ``DRAMA3_TEST_WORLD`` and ``DRAMA3_TEST_INIT``
+    (``support.vllm_state.tp_group`` reads them). A child that fails fails the caller with its
+    streams; the others are stopped."""
+    import tempfile
+
+    spec = json.dumps([_address(func), None, list(args)])
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "support.subproc", spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=child_env({**(env or {}), "DRAMA3_TEST_RANK": rank, "DRAMA3_TEST_WORLD": world_size,
+                                      "DRAMA3_TEST_INIT": init}, [*(pythonpath or []), TESTS]))
+            for rank in range(world_size)]
+        results = []
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=timeout)
+                done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+                if proc.returncode != 0:
+                    raise ChildFailed(done)
+                lines = [ln for ln in out.splitlines() if ln.startswith(_TAG)]
+                if not lines:
+                    raise ChildFailed(done)
+                results.append(json.loads(lines[-1][len(_TAG):]))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    return results
+
+
 def _address(func) -> list:
     if "<locals>" in func.__qualname__:
         raise ValueError(f"{func.__qualname__} is not module-level: a fresh interpreter cannot find it")

@@ -30,6 +30,47 @@ def tp1_group() -> None:
     initialize_model_parallel(1, 1)
 
 
+def tp_group(tp_size: int | None = None) -> tuple[int, int]:
+    """This process's place in a gloo group started by ``support.subproc.call_ranks`` (its
+    variables), with vLLM's model parallel state at TP = ``tp_size`` (default: the whole world),
+    PP = 1, inside a current config. Returns (rank, world size)."""
+    import os
+
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    rank, world = int(os.environ["DRAMA3_TEST_RANK"]), int(os.environ["DRAMA3_TEST_WORLD"])
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                 distributed_init_method=os.environ["DRAMA3_TEST_INIT"])
+    initialize_model_parallel(tp_size or world, 1)
+    return rank, world
+
+
+def sdpa_attention(module) -> None:
+    """Replace ``module.Attention`` by causal grouped-query attention over one whole sequence in
+    float32 (torch's SDPA), returned in bfloat16: a stand-in with real attention numerics for
+    layers built outside an engine (no KV cache, no backend)."""
+    import torch
+
+    class SequenceAttention(torch.nn.Module):
+        def __init__(self, num_heads, head_size, scale, num_kv_heads=None, **kwargs):
+            super().__init__()
+            self.num_heads, self.num_kv_heads = num_heads, num_kv_heads or num_heads
+            self.head_size, self.scale = head_size, scale
+
+        def forward(self, q, k, v):
+            tokens = q.shape[0]
+
+            def heads(x, n):
+                return x.reshape(tokens, n, self.head_size).transpose(0, 1).float()
+
+            out = torch.nn.functional.scaled_dot_product_attention(
+                heads(q, self.num_heads), heads(k, self.num_kv_heads), heads(v, self.num_kv_heads),
+                is_causal=True, scale=self.scale, enable_gqa=True)
+            return out.transpose(0, 1).reshape(tokens, -1).to(torch.bfloat16)
+
+    module.Attention = SequenceAttention
+
+
 def stub_attention(module) -> None:
     """Replace ``module.Attention`` (vLLM's attention layer, as a model module imported it) by a
     stub whose forward returns the queries: choosing a CPU attention backend needs a full model

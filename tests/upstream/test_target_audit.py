@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support.replicas import ASCEND_MAIN, enter_npu_workers, profile_paths
+from support.replicas import ASCEND_MAIN, PIL_QWEN2VL_ENV, PIL_QWEN2VL_PATH, enter_npu_workers, profile_paths
 from support.subproc import ROOT, call
 
 
@@ -85,7 +85,9 @@ def _audit(beside_stand_ins: bool = False) -> list[dict]:
     # A fresh interpreter per audit: the two see different module states (without and beside
     # the stand-ins), and nothing in them has been patched.
     paths = profile_paths(ASCEND_MAIN) if beside_stand_ins else []
-    return call(audit_rows, beside_stand_ins, pythonpath=paths, timeout=600)
+    # PIL_QWEN2VL: fish_omni_model's targets resolve without torchvision (support.replicas).
+    return call(audit_rows, beside_stand_ins, pythonpath=[*paths, *PIL_QWEN2VL_PATH], env=PIL_QWEN2VL_ENV,
+                timeout=600)
 
 
 def _stand_in_reason(target_module: str) -> str | None:
