@@ -44,7 +44,7 @@ def soft_failure(what: str, exc: BaseException) -> None:
     cause = " ".join(str(exc).split())  # one line, even for YAML's multi-line messages
     warn_once(
         "soft-failure",
-        f"{what}: {type(exc).__name__}: {cause}; this process runs unpatched "
+        f"{what}: {type(exc).__name__}: {cause}; the import proceeds unpatched "
         f"(fix the cause, or set {STRICT}=1 to make this an error)",
     )
 
