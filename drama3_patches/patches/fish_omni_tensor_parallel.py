@@ -22,7 +22,7 @@ import torch
 
 from drama3_patches import env
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
+from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper, is_proxy
 
 logger = init_logger(__name__)
 
@@ -224,8 +224,11 @@ BUILDERS = {INIT: build_init, CODES: build_codes, FRAMES: build_frames_check}
 def plan(ctx: PatchContext) -> dict:
     init = ctx.original(INIT) if INIT in ctx.targets else None
     if init is None:
-        # The model state's module is imported by the model; the model module is then importable.
+        # The model state's module is imported by the model; the model module is then importable,
+        # and its constructor may already be this patch's wrapper: probe what it wraps.
         init = importlib.import_module(MODEL_MODULE).__dict__[MODEL_CLASS].__dict__["__init__"]
+        while is_proxy(init) and getattr(getattr(init, "_self_wrapper", None), "__module__", None) == __name__:
+            init = init.__wrapped__
     try:
         needed = refuses_tp(init)
     except Exception as exc:

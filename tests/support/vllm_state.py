@@ -33,8 +33,11 @@ def tp1_group() -> None:
 def tp_group(tp_size: int | None = None) -> tuple[int, int]:
     """This process's place in a gloo group started by ``support.subproc.call_ranks`` (its
     variables), with vLLM's model parallel state at TP = ``tp_size`` (default: the whole world),
-    PP = 1, inside a current config. Returns (rank, world size)."""
+    PP = 1, inside a current config (a CPU one unless one was entered). Returns (rank, world size)."""
     import os
+
+    if not _ENTERED:
+        enter_config()
 
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 

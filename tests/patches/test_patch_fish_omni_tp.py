@@ -1,0 +1,172 @@
+"""fish-omni-tensor-parallel and fish-omni-tower-tp-split on the published fish_omni (vllm-omni 0.32.0rc1).
+
+* The constructor: the published refusal is what feature detection finds; patched, TP2 gets past
+  it (the config reports its real size again afterwards, also when construction fails), pipeline
+  parallel still meets upstream's message.
+* Rank agreement through the engine-patched methods in a two-process gloo group: the real
+  ``_reference_codes`` (rank 1 given other codes, or none, ends with rank 0's) and the real
+  ``postprocess_model_output`` under ``DRAMA3_PATCHES_TP_CHECK=1`` (equal frames pass; a rank with
+  another frame fails on every rank, naming the step and the rank).
+* The KV layout: vLLM's ``get_kv_cache_configs`` on Drama 3's layer specs
+  (``benchmarks/tower_kv_groups.py``): the split tower puts TP2 back at TP1's group count.
+* Expert parallel: vLLM's EP weight filter reads fish_omni's expert count and skips the other
+  rank's expert weights by name, before they are read.
+
+The model module imports only with the e2e tier's PIL Qwen2-VL hook (``support.replicas``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from support.replicas import PIL_QWEN2VL_ENV, PIL_QWEN2VL_PATH, needs_fish_omni, npu_env
+from support.subproc import ROOT, call, call_ranks
+
+pytestmark = [pytest.mark.vllm, needs_fish_omni]
+
+UPSTREAM_REFUSAL = "fish_omni runs with one tensor and pipeline rank"
+
+
+def _env(**extra):
+    return {**npu_env(DRAMA3_PATCHES_STRICT="1"), **PIL_QWEN2VL_ENV, **extra}
+
+
+def constructor_child() -> dict:
+    """The published constructor before and after the engine patches it, on probe configs."""
+    from vllm_omni.model_executor.models.fish_omni import fish_omni_model as fm
+
+    import drama3_patches
+    from drama3_patches.patches import fish_omni_tensor_parallel as tp
+
+    out = {"state": {p["id"]: p for p in drama3_patches.status()["patches"]}["fish-omni-tensor-parallel"]}
+    init = fm.FishOmniForConditionalGeneration.__dict__["__init__"]
+    out["original_refuses"] = tp.refuses_tp(drama3_patches.get_original(tp.INIT))
+    out["patched_refuses"] = tp.refuses_tp(init)
+    results = {}
+    for size, pipeline in ((2, 1), (2, 2), (1, 2)):
+        parallel = tp._Stopper(tensor_parallel_size=size, pipeline_parallel_size=pipeline, enable_expert_parallel=True)
+        config = tp._Stopper(parallel_config=parallel, model_config=tp._Stopper(hf_config=tp._Stopper()))
+        try:
+            fm.FishOmniForConditionalGeneration(vllm_config=config)
+            results[f"{size}x{pipeline}"] = "built"
+        except tp._Past as exc:
+            results[f"{size}x{pipeline}"] = f"past the check (stopped reading {exc})"
+        except NotImplementedError as exc:
+            results[f"{size}x{pipeline}"] = f"refused: {exc}"
+        results[f"{size}x{pipeline} size after"] = parallel.tensor_parallel_size
+    out["results"] = results
+    return out
+
+
+def test_constructor_accepts_tp_and_keeps_pipeline_refusal():
+    out = call(constructor_child, env=_env(), pythonpath=PIL_QWEN2VL_PATH, timeout=900)
+    assert out["state"]["state"] == "applied", out["state"]
+    assert out["original_refuses"] is True and out["patched_refuses"] is False
+    r = out["results"]
+    assert r["2x1"] == "past the check (stopped reading model)"  # the next line after the check
+    assert r["2x1 size after"] == 2  # the real size is back once construction stops
+    assert r["2x2"] == f"refused: {UPSTREAM_REFUSAL}" and r["1x2"] == f"refused: {UPSTREAM_REFUSAL}"
+
+
+def agreement_child() -> dict:
+    """One rank: the patched _reference_codes and postprocess_model_output, through the engine."""
+    import torch
+
+    from support.vllm_state import tp_group
+
+    rank, _ = tp_group()
+    from vllm_omni.model_executor.models.fish_omni import fish_omni_model as fm
+    from vllm_omni.model_executor.models.fish_omni import model_state as ms
+
+    import drama3_patches
+    from types import SimpleNamespace
+
+    states = {p["id"]: p["state"] for p in drama3_patches.status()["patches"]}
+    model = object.__new__(fm.FishOmniForConditionalGeneration)
+    own = torch.arange(12).reshape(4, 3) * (rank + 1)  # rank 1's encoder "disagrees"
+    out = {"rank": rank, "states": states,
+           "codes": model._reference_codes({"ref_codes": [own]}, torch.device("cpu")).tolist(),
+           "none_on_rank0": model._reference_codes({"ref_codes": [own]} if rank else {}, torch.device("cpu"))}
+
+    state = object.__new__(ms.FishOmniModelState)
+    state.buffers = SimpleNamespace(sampled_frames=torch.arange(33).reshape(3, 11))
+    state._valid_rows, state._partitioned = [True, True, True], False
+    batch = SimpleNamespace(num_reqs=3)
+    hidden, snapshot = state.postprocess_model_output(torch.zeros(3, 4), batch, None)
+    out["first_step"] = {"hidden": list(hidden.shape), "rows": len(snapshot["codes"]["audio"])}
+    if rank == 1:
+        state.buffers.sampled_frames[2, 5] += 1  # one code of one frame
+    try:
+        state.postprocess_model_output(torch.zeros(3, 4), batch, None)
+        out["second_step"] = "passed"
+    except Exception as exc:
+        out["second_step"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_ranks_take_rank0_codes_and_frame_drift_fails_loudly():
+    r0, r1 = call_ranks(agreement_child, 2, env=_env(DRAMA3_PATCHES_TP_CHECK="1"), pythonpath=PIL_QWEN2VL_PATH,
+                        timeout=900)
+    assert r0["states"]["fish-omni-tensor-parallel"] == "applied"
+    rank0_codes = [[3 * i + j for j in range(3)] for i in range(4)]
+    assert r0["codes"] == r1["codes"] == rank0_codes  # rank 1 had twice these
+    assert r0["none_on_rank0"] is None and r1["none_on_rank0"] is None  # rank 0 had none: none
+    assert r0["first_step"] == r1["first_step"] == {"hidden": [3, 4], "rows": 3}
+    for run in (r0, r1):
+        assert run["second_step"].startswith("TensorParallelDrift: step 1: ")
+        assert "rank(s) [1] differ from rank 0's" in run["second_step"]
+        assert "DRAMA3_PATCHES_TP_CHECK=1" in run["second_step"]
+
+
+def test_frames_check_is_off_by_default():
+    r0, r1 = call_ranks(agreement_child, 2, env=_env(), pythonpath=PIL_QWEN2VL_PATH, timeout=900)
+    assert r0["second_step"] == r1["second_step"] == "passed"  # rank 1's frame differs, unchecked
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("tower_kv_groups", ROOT / "benchmarks" / "tower_kv_groups.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_split_tower_joins_the_backbone_kv_groups():
+    rows = dict(call(_benchmark().table, timeout=600))
+    tp1, published, split = rows["TP1"], rows["TP2 published"], rows["TP2 tower split"]
+    assert tp1["groups"] == 2 and split["groups"] == tp1["groups"]  # backbone attention + GDN, tower inside
+    assert published["groups"] > tp1["groups"]  # the whole-head tower needs groups of its own
+    assert len(split["pages"]) == 1 and len(published["pages"]) == 1  # one pool page in each layout
+    assert split["pages"][0] < published["pages"][0]  # the GDN state is no longer padded to the tower's page
+    assert split["sequences"] > 1.5 * published["sequences"] and split["sequences"] > tp1["sequences"]
+
+
+def ep_filter_child() -> dict:
+    """vLLM's EP weight filter on fish_omni's config and checkpoint names, for EP 2."""
+    from support.checkpoints import FISH_CFG, fish_tensor_specs
+    from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids, should_skip_weight
+    from vllm.transformers_utils.config import get_hf_text_config
+    from vllm_omni.model_executor.models.fish_omni.configuration_fish_omni import FishOmniConfig
+
+    # What ModelConfig.get_num_experts reads: the text config's num_experts.
+    experts = get_hf_text_config(FishOmniConfig(text_config=FISH_CFG["text_config"])).num_experts
+    specs = fish_tensor_specs(FISH_CFG)
+    ranks = []
+    for rank in (0, 1):
+        local = compute_local_expert_ids(experts, 2, rank)
+        ranks.append({"local": sorted(local), "skipped": sorted(n for n, *_ in specs if should_skip_weight(n, local))})
+    return {"experts": experts, "ranks": ranks,
+            "expert_weights": [n for n, _, _, role in specs if role == "expert_w"]}
+
+
+def test_ep_weight_filter_reads_fish_omni_expert_names():
+    """The 910b-tp2-ep profile sets enable_ep_weight_filter: it must find fish_omni's experts."""
+    out = call(ep_filter_child, timeout=600)
+    assert out["experts"] == 8  # the small checkpoint's routed experts
+    for rank, got in enumerate(out["ranks"]):
+        assert got["local"] == list(range(4 * rank, 4 * rank + 4))
+        others = [f".experts.{e}." for e in range(8) if e not in got["local"]]
+        # every other rank's expert weight is skipped before it is read; scales and all else are read
+        expected = sorted(n for n in out["expert_weights"] if any(o in n for o in others))
+        assert got["skipped"] == expected and len(expected) == 4 * 3 * 4  # 4 experts x 3 projections x 4 layers
