@@ -199,7 +199,7 @@ def test_command_bad_input_gets_one_clear_line(tmp_path):
     r = run_cli("deploy-config", "h100")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "drama3-patches deploy-config: unknown profile 'h100'; known: 910b-tp2-ep, mxfp8-1card"]
+        "drama3-patches deploy-config: unknown profile 'h100'; known: 910b-tp2-ep, 910b-tp2-ep-graph, mxfp8-1card"]
     r = run_cli("deploy-config", "--out", str(tmp_path / "missing" / "x.yaml"))
     assert r.returncode == 1
     assert "cannot write" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -279,7 +279,9 @@ def test_real_vllm_omni_loader_reads_our_configs():
         assert got["npu_unpatched"].startswith("NotImplementedError: Model Runner V2 is not supported on NPU"), name
         # The per-stage runner is the loader's own field; the rest passes through to the engine.
         for stage in got["stages"]:
-            assert stage[6] == {"trust_remote_code": False, "enable_prefix_caching": False}, (name, stage)
+            # 910b-tp2-ep's stage 0 also asks vLLM's EP weight filter (an engine argument) for its ranks.
+            ep_filter = {"enable_ep_weight_filter": True} if stage[3] else {}
+            assert stage[6] == {"trust_remote_code": False, "enable_prefix_caching": False, **ep_filter}, (name, stage)
     tp2 = result[str(DEPLOY_DIR / "drama3_910b_tp2_ep.yaml")]["stages"]
     assert tp2[0][:6] == [0, "0,1", 2, True, 0.8, "v2"]
     assert tp2[1][:6] == [1, "1", 1, None, 0.12, "v1"]

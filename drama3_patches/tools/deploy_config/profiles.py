@@ -46,7 +46,7 @@ STAGE_FIELDS = frozenset({
 # Stage keys that are not StageDeployConfig fields: vLLM-Omni passes them through engine_extras
 # to the engine arguments (the published fish_omni.yaml sets the first two per stage).
 STAGE_PASSTHROUGH_KEYS = frozenset({"trust_remote_code", "enable_prefix_caching", "block_size",
-                                    "kv_cache_dtype", "seed"})
+                                    "kv_cache_dtype", "seed", "enable_ep_weight_filter"})
 # vllm-omni raises for these in engine_extras: the runner is chosen by model_runner.
 FORBIDDEN_STAGE_KEYS = frozenset({"use_v2_model_runner", "supports_native_mrv2_data_plane"})
 RUNNERS = ("v1", "v2")
@@ -71,6 +71,7 @@ DIFFERENCES_FROM_PUBLISHED = {
     "stages.*.devices": "the cards of the profile",
     "stages.*.tensor_parallel_size": "the cards of the profile",
     "stages.0.enable_expert_parallel": "routed experts split over the stage's cards",
+    "stages.0.enable_ep_weight_filter": "each rank reads only its own experts from disk",
     "stages.*.gpu_memory_utilization": "card memory and the stage sharing it",
     "stages.*.max_num_seqs": "the streams the port measured on these cards",
 }
