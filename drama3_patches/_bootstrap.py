@@ -151,7 +151,7 @@ def activate() -> None:
     if not env.enabled():
         return
     try:
-        modules = scan_target_modules(env.read_text_file(env.manifest_path()))
+        modules = scan_target_modules(env.read_manifest_text(env.manifest_path()))
     except OSError as exc:
         env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply "
                       f"(point {env.MANIFEST} at a readable manifest file, or unset it)")

@@ -17,7 +17,6 @@ PLATFORM = "DRAMA3_PATCHES_PLATFORM"
 REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
 MANIFEST = "DRAMA3_PATCHES_MANIFEST"
 TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
-TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -51,29 +50,82 @@ def soft_failure(what: str, exc: BaseException) -> None:
 
 # The shipped manifest is about 20 KB; anything past this is not a manifest.
 MANIFEST_MAX_BYTES = 1 << 20
+MIB = 1 << 20
 
 
-def read_text_file(path: str, limit: int = MANIFEST_MAX_BYTES) -> str:
-    """The UTF-8 text of a regular file of at most ``limit`` bytes; OSError naming the problem.
+class UnreadableFile(OSError):
+    """A file :func:`read_regular` refused; the message is one line naming the path and why."""
 
-    Runs at every interpreter start: a FIFO, a device (``/dev/zero``) or a huge
-    file must neither block nor fill memory, and a bad byte is an error message,
-    not a traceback.  ``O_NONBLOCK`` keeps opening a FIFO from waiting for a writer.
+
+def read_regular(path: str, limit: int, what: str = "file", follow: bool = True) -> tuple[bytes, os.stat_result]:
+    """(contents, stat) of a regular file of at most ``limit`` bytes, else :class:`UnreadableFile`.
+
+    The one bounded reader of the package: the start-up scan and the manifest loader use it at
+    every interpreter start, the operator commands for every input file (tools/files.py). Opened
+    non-blocking (a FIFO cannot stall the open) and checked with ``fstat`` on the descriptor that
+    is read, so the answer holds for the bytes read; a device (``/dev/zero``) or a huge file is
+    refused, and the read stops at ``limit + 1`` bytes whatever the size said. ``follow=False``
+    refuses a symbolic link (``O_NOFOLLOW``): for files in a folder others may write.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if not follow and os.path.islink(path):
+            raise UnreadableFile(f"{path}: a symbolic link; not followed") from None
+        raise UnreadableFile(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path} is not a regular file")
+            raise UnreadableFile(f"{path}: not a regular file ({_kind(st.st_mode)}); a {what} must be one")
         if st.st_size > limit:
-            raise OSError(f"{path} is {st.st_size} bytes, more than the {limit} a manifest may have")
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise OSError(f"{path} grew past {limit} bytes while being read")
+            raise UnreadableFile(f"{path}: {_size(st.st_size)}, over the {_size(limit)} limit for a {what}")
+        chunks, left = [], limit + 1
+        while left > 0:
+            try:
+                chunk = os.read(fd, min(left, MIB))
+            except BlockingIOError:  # only non-regular files block; checked above, so a race: refuse
+                raise UnreadableFile(f"{path}: changed while read; not read") from None
+            except OSError as exc:
+                raise UnreadableFile(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise UnreadableFile(f"{path}: grew past the {_size(limit)} limit for a {what} while read")
+        return data, st
+    finally:
+        os.close(fd)
+
+
+def read_text(path: str, limit: int, what: str = "file") -> str:
+    """:func:`read_regular`, decoded as UTF-8; a bad byte is one line naming its offset."""
+    data, _ = read_regular(path, limit, what)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise OSError(f"{path} is not UTF-8 text ({exc})") from None
+        raise UnreadableFile(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                             f"{exc.start}); save the {what} as UTF-8") from None
+
+
+def read_manifest_text(path: str) -> str:
+    return read_text(path, MANIFEST_MAX_BYTES, "manifest")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a link")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n} bytes"
 
 
 def flag_value(raw: str | None) -> bool | None:
@@ -107,11 +159,6 @@ def enabled() -> bool:
 
 def strict() -> bool:
     return parse_flag(STRICT)
-
-
-def tp_check() -> bool:
-    """Compare each step's sampled frames across the tensor-parallel group (off by default)."""
-    return parse_flag(TP_CHECK)
 
 
 def tp_check() -> bool:

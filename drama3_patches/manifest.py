@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drama3_patches.env import PLATFORMS, manifest_path, read_text_file
+from drama3_patches.env import PLATFORMS, manifest_path, read_manifest_text
 
 IMPLEMENTATION_PREFIX = "drama3_patches.patches."
 TEXT_FIELDS = ("summary", "why", "how", "upstream", "remove_when")
@@ -185,7 +185,7 @@ def parse_manifest(text: str, path: Path | str = "<manifest>") -> Manifest:
 def load_manifest(path: Path | str | None = None) -> Manifest:
     path = Path(path) if path is not None else Path(manifest_path())
     try:
-        text = read_text_file(str(path))
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot read the manifest: {exc.strerror or exc}") from None
+        text = read_manifest_text(str(path))
+    except OSError as exc:  # env.UnreadableFile: one line naming the path and the problem
+        raise ManifestError(str(exc)) from None
     return parse_manifest(text, path)

@@ -132,10 +132,10 @@ def _not_utf8(path):
 
 
 @pytest.mark.parametrize("make,why", [
-    (_fifo, "is not a regular file"),
-    (lambda path: "/dev/zero", "is not a regular file"),
-    (_huge, "more than the 1048576 a manifest may have"),
-    (_not_utf8, "is not UTF-8 text"),
+    (_fifo, "not a regular file (a FIFO); a manifest must be one"),
+    (lambda path: "/dev/zero", "not a regular file (a character device)"),
+    (_huge, "over the 1.0 MiB limit for a manifest"),
+    (_not_utf8, "not UTF-8 text"),
 ], ids=["fifo", "dev-zero", "huge", "not-utf8"])
 def test_the_start_up_scan_reads_only_a_bounded_regular_file(host, make, why):
     manifest = make(host.root / "manifest.yaml")
