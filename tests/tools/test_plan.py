@@ -431,8 +431,9 @@ def test_run_in_process_through_register(ckpt, capsys):
 BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
 
 
-def fish_expected(cfg, tp, ep, seqs, mlen, batched=4096, ssm_bytes=None, dac_bytes=4):
-    """Per-card figures of a fish_omni checkpoint from the writer's tensor list, by role."""
+def fish_expected(cfg, tp, ep, seqs, mlen, batched=4096, ssm_bytes=None, dac_bytes=4, split=True):
+    """Per-card figures of a fish_omni checkpoint from the writer's tensor list, by role.
+    ``split``: the tower's attention heads per rank at TP > 1 (fish-omni-tower-tp-split)."""
     t, a = cfg["text_config"], cfg["audio_decoder_config"]
     by = defaultdict(int)
     for _, dt, shape, role in fish_tensor_specs(cfg):
@@ -444,6 +445,13 @@ def fish_expected(cfg, tp, ep, seqs, mlen, batched=4096, ssm_bytes=None, dac_byt
     rows = 1 + cfg["semantic_end_token_id"] - cfg["semantic_start_token_id"]  # eos + codes 1..end
     head = rows * H * 2
     tower = by["tower"] + by["tower_eh"] / 2
+    hq, hk, dh = a["n_head"], a["n_local_heads"], a["head_dim"]
+    tower_kv = max(1, hk // tp) if split and tp > 1 else hk
+    if split and tp > 1:
+        n_layers = a["shared_enrichment_layers"] + a["num_codebooks"] - 1
+        qkv = n_layers * (2 * hq + 2 * hk) * dh * a["dim"] * 2
+        wo = n_layers * a["dim"] * hq * dh * 2
+        tower -= qkv - n_layers * (2 * hq // tp + 2 * tower_kv) * dh * a["dim"] * 2 + wo * (1 - 1 / tp)
     codec = defaultdict(int)
     for _, shape, role in CODEC_SPECS:
         codec[role] += math.prod(shape)
@@ -462,7 +470,7 @@ def fish_expected(cfg, tp, ep, seqs, mlen, batched=4096, ssm_bytes=None, dac_byt
     n_full = t["layer_types"].count("full_attention")
     n_lin = len(t["layer_types"]) - n_full
     n_tower = a["shared_enrichment_layers"] + C - 1
-    kv_tower = n_tower * 2 * a["n_local_heads"] * a["head_dim"] * 2
+    kv_tower = n_tower * 2 * tower_kv * a["head_dim"] * 2
     kv_tok = n_full * 2 * kv_rank * hd * 2 + kv_tower
     nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
     dk, dv, K = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
@@ -545,7 +553,7 @@ def test_fish_omni_deploy_profile_settings(fish):
     _, over = fish_json(fish, "--card", "910b1", "--deploy", "910b-tp2-ep", "--max-model-len", "512", "-q")
     assert over["max_model_len"] == 512 and over["tp"] == 2  # an option wins over the profile
     rc, _, err = plan_here(fish, "--card", "910b1", "--deploy", "nope")
-    assert rc == 2 and err == "drama3-patches plan: --deploy nope: neither a profile (910b-tp2-ep, mxfp8-1card) nor a file\n"
+    assert rc == 2 and err == "drama3-patches plan: --deploy nope: neither a profile (910b-tp2-ep, 910b-tp2-ep-graph, mxfp8-1card) nor a file\n"
 
 
 def test_fish_omni_unexpected_key_is_one_line(tmp_path):
@@ -592,10 +600,16 @@ def test_published_shape_tp1_on_910b1_is_refused(drama3_size):
 
 
 def test_published_shape_tp2_ep_fits_the_910b_profile(drama3_size):
-    """TP2 + EP (the 910b-tp2-ep profile) holds the weights; the cache for 64 full 8192-token
-    sequences does not, and the plan names the max_num_seqs that does."""
+    """TP2 + EP (the 910b-tp2-ep profile) holds the weights; with the published whole-head tower the
+    cache for 64 full 8192-token sequences does not fit, and the plan names the max_num_seqs that
+    does; with the tower split per rank (the default) it does."""
     rc, out = fish_json(drama3_size, "--card", "910b1", "--deploy", "910b-tp2-ep", "-q")
     e = fish_expected(DRAMA3_CFG, 2, True, 64, 8192, ssm_bytes=4)
+    f = out["figures"]
+    assert rc == 0 and out["fits"] and f["tower_split"] and f["tower_kv_heads"] == 1
+    assert f["cache_needed"] == e["cache_needed"] and f["resident"] == pytest.approx(e["resident"], rel=1e-12)
+    rc, out = fish_json(drama3_size, "--card", "910b1", "--deploy", "910b-tp2-ep", "--no-tower-split", "-q")
+    e = fish_expected(DRAMA3_CFG, 2, True, 64, 8192, ssm_bytes=4, split=False)
     f = out["figures"]
     assert f["load_peak"] == pytest.approx(e["load_peak"], rel=1e-12) and f["load_peak"] < 0.8 * 64 * GIB
     assert f["cache_needed"] == e["cache_needed"]
@@ -604,8 +618,24 @@ def test_published_shape_tp2_ep_fits_the_910b_profile(drama3_size):
     assert rc == 1 and out["problems"] == [
         f"KV cache + linear-attention state for 64 x 8192 tokens needs {e['cache_needed'] / GIB:.2f} GiB, "
         f"{left / GIB:.2f} GiB left (max_num_seqs {int(left // per_seq)} would fit)"]
-    rc, out = fish_json(drama3_size, "--card", "910b1", "--deploy", "910b-tp2-ep", "--max-model-len", "4096", "-q")
+    rc, out = fish_json(drama3_size, "--card", "910b1", "--deploy", "910b-tp2-ep", "--max-model-len", "4096",
+                        "--no-tower-split", "-q")
     assert rc == 0 and out["fits"], out["problems"]
+
+
+def test_disk_read_per_rank_with_the_ep_weight_filter(fish):
+    """Every rank reads every tensor; with EP and vLLM's weight filter (the 910b-tp2-ep profile sets
+    it) the other rank's expert weights are skipped, their scales still read."""
+    specs = fish_tensor_specs(FISH_CFG)
+    total = sum(math.prod(shape) * BYTES[dt] for _, dt, shape, _ in specs)
+    experts_w = sum(math.prod(shape) * BYTES[dt] for _, dt, shape, role in specs if role == "expert_w")
+    _, out = fish_json(fish, "--card", "910b1", "--deploy", "910b-tp2-ep", "-q")
+    assert out["figures"]["disk_read_filtered"] is True
+    assert out["figures"]["disk_read_per_rank"] == total - experts_w / 2
+    _, out = fish_json(fish, "--card", "910b1", "--deploy", "910b-tp2-ep", "--no-ep-weight-filter", "-q")
+    assert out["figures"]["disk_read_per_rank"] == total and out["figures"]["disk_read_filtered"] is False
+    _, out = fish_json(fish, "--card", "910b1", "--tp", "2", "--no-ep", "--ep-weight-filter", "-q")
+    assert out["figures"]["disk_read_per_rank"] == total  # the filter needs expert parallel
 
 
 def test_fish_omni_card_between_tp1_and_tp2_peaks_says_no_then_tp2_ep_fits(fish):

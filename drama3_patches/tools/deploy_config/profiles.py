@@ -17,6 +17,7 @@ PACKAGE = "drama3_patches.tools.deploy_config.configs"
 # profile name -> file in drama3_patches/tools/deploy_config/configs/
 PROFILES = {
     "910b-tp2-ep": "drama3_910b_tp2_ep.yaml",
+    "910b-tp2-ep-graph": "drama3_910b_tp2_ep_graph.yaml",
     "mxfp8-1card": "drama3_mxfp8_1card.yaml",
 }
 DEFAULT_PROFILE = "910b-tp2-ep"
@@ -62,7 +63,8 @@ DIFFERENCES_FROM_PUBLISHED = {
     "platforms.cuda": "MPS (cuda_mps) has no NPU counterpart",
     "platforms.npu": "Ascend paged attention takes 128-token cache blocks",
     "stages.0.enforce_eager": "eager instead of CUDA graphs (NPU graph mode unverified for Drama 3)",
-    "stages.0.compilation_config": "CUDA graph mode and capture sizes: eager on NPU",
+    "stages.0.compilation_config": "CUDA graph mode and capture sizes: eager on NPU, or PIECEWISE up to the "
+                                   "profile's streams (910b-tp2-ep-graph)",
     "connectors.*.extra.fish_speech_dac_cuda_graphs": "the DAC's channels-last CUDA graphs need CUDA",
     "connectors.*.extra.fish_speech_dac_stateful": "needs fish_speech_dac_cuda_graphs",
     "connectors.*.extra.fish_speech_dac_dtype": "fp16 was tuned for the CUDA decoder; float32 default",
