@@ -8,7 +8,8 @@ import sys
 # Stage-0 settings a deploy file gives, by option; explicit options win.
 _DEPLOY_DEFAULTS = {"tp": 1, "ep": False, "max_num_seqs": 64, "max_model_len": 16384,
                     "gpu_memory_utilization": 0.9, "mamba_ssm_cache_dtype": "auto",
-                    "max_num_batched_tokens": 4096, "dac_gpu_memory_utilization": 0.1, "dac_dtype": "float32"}
+                    "max_num_batched_tokens": 4096, "dac_gpu_memory_utilization": 0.1, "dac_dtype": "float32",
+                    "ep_weight_filter": False, "tower_split": True}
 _DAC_DTYPES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
                "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32", "": "float32"}
 
@@ -32,6 +33,11 @@ def register(sub) -> None:
     p.add_argument("--tp", type=int, help="tensor parallel size (default 1)")
     p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=None,
                    help="expert parallel across the TP cards")
+    p.add_argument("--ep-weight-filter", action=argparse.BooleanOptionalAction, default=None,
+                   help="with EP, each rank reads only its own experts from disk (vLLM's enable_ep_weight_filter)")
+    p.add_argument("--tower-split", action=argparse.BooleanOptionalAction, default=None,
+                   help="fish_omni at TP > 1: the codebook tower's heads per rank (patch fish-omni-tower-tp-split; "
+                        "default on), or --no-tower-split for the published whole tower on every card")
     p.add_argument("--max-num-seqs", type=int, help="default 64")
     p.add_argument("--max-model-len", type=int, help="default 16384")
     p.add_argument("--max-num-batched-tokens", type=int, help="default 4096 (fish_omni's input-embedding buffer)")
@@ -86,7 +92,10 @@ def deploy_settings(name_or_path: str) -> dict:
            "gpu_memory_utilization": s0.get("gpu_memory_utilization"),
            "mamba_ssm_cache_dtype": s0.get("mamba_ssm_cache_dtype"),
            "max_num_batched_tokens": s0.get("max_num_batched_tokens"),
-           "dac_gpu_memory_utilization": s1.get("gpu_memory_utilization")}
+           "dac_gpu_memory_utilization": s1.get("gpu_memory_utilization"),
+           "ep_weight_filter": s0.get("enable_ep_weight_filter")}
+    if out["ep_weight_filter"] is not None and not isinstance(out["ep_weight_filter"], bool):
+        raise DeployError(f"--deploy {name_or_path}: stage 0 enable_ep_weight_filter must be true or false")
     for conn in ((data or {}).get("connectors") or {}).values():
         raw = ((conn or {}).get("extra") or {}).get("fish_speech_dac_dtype")
         if raw is not None:
@@ -181,10 +190,14 @@ def run(args) -> int:
     rows = [("dense weights after sharding", f["dense"])]
     if s.tower:
         rows += [(f"lm_head rows kept ({s.tower.head_rows} of {s.vocab_size})", f["head"]),
-                 (f"codebook tower ({s.tower.num_layers} layers, replicated, code tables folded)", f["tower"]),
+                 (f"codebook tower ({s.tower.num_layers} layers, "
+                  + (f"attention heads split over TP {opts.tp}, " if f["tower_split"] else "replicated, ")
+                  + "code tables folded)", f["tower"]),
                  ("DAC encoder for reference audio (float32)", f["dac_encoder"]),
                  ("model buffers (code history, input embeddings)", f["model_buffers"])]
     rows += [
+        ("read from disk per rank (safetensors; "
+         + ("other ranks' experts skipped)" if f["disk_read_filtered"] else "every expert)"), f["disk_read_per_rank"]),
         ("routed experts as stored (FP8 + scales)", f["experts_stored"]),
         ("routed experts after bfloat16 expansion", f["experts_bf16"]),
         (f"weights resident (experts {f['expert_mode']})", f["resident"]),
@@ -201,7 +214,8 @@ def run(args) -> int:
         (f"needed for {opts.max_num_seqs} seqs x {opts.max_model_len} tokens", f["cache_needed"]),
     ]
     print(table([[label, format_bytes(value)] for label, value in rows], indent="  "))
-    tower_kv = f" (codebook tower {f['kv_per_token_tower']})" if s.tower else ""
+    tower_kv = (f" (codebook tower {f['kv_per_token_tower']}, {f['tower_kv_heads']} KV head(s) per card)"
+                if s.tower else "")
     ssm = "" if opts.mamba_ssm_cache_dtype == "auto" else f", temporal state {opts.mamba_ssm_cache_dtype}"
     print(f"  (KV {f['kv_per_token']} B/token{tower_kv}, linear-attention state {f['state_per_seq']} B/sequence{ssm})")
     if f["dense_fp8"]:

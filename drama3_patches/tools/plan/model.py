@@ -404,6 +404,8 @@ class Options:
     max_num_batched_tokens: int = 4096
     dac_gpu_memory_utilization: float = 0.1  # the published fish_omni.yaml's stage 1 share
     dac_dtype: str = "float32"               # the DAC decoder's default (fish_speech_dac_dtype)
+    tower_split: bool = True                 # fish-omni-tower-tp-split: the tower's heads per TP rank
+    ep_weight_filter: bool = False           # vLLM's enable_ep_weight_filter: each rank reads its own experts
 
 
 @dataclass
@@ -449,15 +451,24 @@ def checkpoint_sums(ckpt: Checkpoint) -> dict:
     shape = model_shape(ckpt)
     sums = {"dense": 0, "dense_fp8": 0, "expert_stored": 0, "expert_weight_elems": 0,
             "expert_fp8_weight_bytes": 0, "per_layer": {}, "head": 0, "tower": 0, "tower_folded": 0,
-            "dac_encoder_elems": 0, "dac_decoder_elems": 0}
+            "dac_encoder_elems": 0, "dac_decoder_elems": 0, "stored_total": 0, "expert_w_stored": 0,
+            "tower_qkv": 0, "tower_o": 0, "tower_heads": 0}
     for t in ckpt.tensors.values():
         role = _role(ckpt, t.name)
+        sums["stored_total"] += t.nbytes
         if role == "head":
             # Only the rows the model samples stay on the card (FishOmniForConditionalGeneration).
             sums["head"] += shape.tower.head_rows * (t.nbytes // t.shape[0])
             continue
         if role == "tower":
             sums["tower"] += t.nbytes
+            if t.name.endswith(".attention.wqkv.weight"):
+                # Rows [q | gate | k | v]: the query heads follow from the rows and the KV heads.
+                sums["tower_qkv"] += t.nbytes
+                rows = t.shape[0] // shape.tower.head_dim - 2 * shape.tower.num_kv_heads
+                sums["tower_heads"] = rows // 2
+            elif t.name.endswith(".attention.wo.weight"):
+                sums["tower_o"] += t.nbytes
             m = _TOWER_LAYER.match(t.name)
             index = (int(m.group(2)) + (0 if m.group(1) else int(ckpt.decoder_config["shared_enrichment_layers"]))
                      if m else None)
@@ -477,6 +488,7 @@ def checkpoint_sums(ckpt: Checkpoint) -> dict:
         layer["stored"] += t.nbytes
         if _SCALE.search(t.name):
             continue
+        sums["expert_w_stored"] += t.nbytes
         sums["expert_weight_elems"] += t.numel
         if t.dtype in FP8_DTYPES:
             sums["expert_fp8_weight_bytes"] += t.nbytes
@@ -517,7 +529,17 @@ def make_plan(ckpt: Checkpoint, opts: Options, sums: dict | None = None) -> Plan
                      f"not a multiple of the FP8 block {shape.block[0]}: use --ep")
     if fish and tp > 1:
         plan.notes.append(f"vllm-omni {OMNI_RELEASE}'s FishOmniForConditionalGeneration refuses "
-                          f"tensor_parallel_size != 1: TP {tp} needs a fish_omni build that accepts it")
+                          f"tensor_parallel_size != 1: TP {tp} needs the patch fish-omni-tensor-parallel"
+                          + ("; the tower's heads per rank: fish-omni-tower-tp-split" if opts.tower_split else ""))
+    # The tower's attention heads on each card (fish-omni-tower-tp-split), KV heads replicated when
+    # fewer than the ranks; the published tower keeps all of them on every card.
+    tower_heads = sums.get("tower_heads", 0)
+    split = bool(fish and shape.tower and tp > 1 and opts.tower_split and tower_heads)
+    if split and (tower_heads % tp or (shape.tower.num_kv_heads % tp and tp % shape.tower.num_kv_heads)):
+        plan.notes.append(f"the codebook tower's {tower_heads} heads / {shape.tower.num_kv_heads} KV heads do "
+                          f"not split over TP {tp}: the tower stays whole on every card")
+        split = False
+    tower_kv_heads = max(1, shape.tower.num_kv_heads // tp) if split else (shape.tower.num_kv_heads if shape.tower else 0)
 
     # Weights per card.
     dense = sum(t.nbytes * _dense_fraction(t.name[len(BACKBONE_PREFIX):] if fish else t.name, t, shape, tp)
@@ -534,6 +556,15 @@ def make_plan(ckpt: Checkpoint, opts: Options, sums: dict | None = None) -> Plan
     largest_fused = max((max(lay["bf16_gate_up"], lay["bf16_down"]) for lay in layers), default=0) * efrac
     head = sums["head"]
     tower = sums["tower"] - sums["tower_folded"]
+    if split:
+        qkv_rows = 2 * tower_heads + 2 * shape.tower.num_kv_heads
+        tower -= sums["tower_qkv"] * (1 - (2 * tower_heads // tp + 2 * tower_kv_heads) / qkv_rows)
+        tower -= sums["tower_o"] * (1 - 1 / tp)
+    # Safetensors bytes each rank reads: every tensor (sharding happens after the read), except,
+    # with EP and vLLM's weight filter, the other ranks' expert weights (their scales are still read).
+    filtered = bool(opts.ep and opts.ep_weight_filter and shape.num_experts and tp > 1)
+    disk_read = sums["stored_total"] - (sums["expert_w_stored"] * (1 - math.ceil(shape.num_experts / tp)
+                                                                   / shape.num_experts) if filtered else 0)
     dac_encoder = sums["dac_encoder_elems"] * 4  # float32, as the AR stage loads it
     buffers = 0
     if fish:
@@ -567,7 +598,7 @@ def make_plan(ckpt: Checkpoint, opts: Options, sums: dict | None = None) -> Plan
     kv_per_token = shape.num_full * 2 * kv_heads_rank * shape.head_dim * shape.dtype_bytes
     kv_tower = 0
     if shape.tower:
-        kv_tower = shape.tower.num_layers * 2 * shape.tower.num_kv_heads * shape.tower.head_dim * shape.dtype_bytes
+        kv_tower = shape.tower.num_layers * 2 * tower_kv_heads * shape.tower.head_dim * shape.dtype_bytes
         kv_per_token += kv_tower
     state_per_seq = 0
     ssm_bytes = CACHE_DTYPE_BYTES[opts.mamba_ssm_cache_dtype] or shape.dtype_bytes
@@ -588,10 +619,11 @@ def make_plan(ckpt: Checkpoint, opts: Options, sums: dict | None = None) -> Plan
         "budget": budget, "reserve": reserve, "left_for_cache": left, "kv_per_token": kv_per_token,
         "state_per_seq": state_per_seq, "cache_needed": need, "max_num_seqs_that_fit": max_seqs,
         "card_bytes": card.memory_bytes, "dense_fp8": sums["dense_fp8"],
+        "disk_read_per_rank": disk_read, "disk_read_filtered": filtered,
     }
     if fish:
         plan.figures.update({"head": head, "tower": tower, "dac_encoder": dac_encoder, "model_buffers": buffers,
-                             "kv_per_token_tower": kv_tower})
+                             "kv_per_token_tower": kv_tower, "tower_split": split, "tower_kv_heads": tower_kv_heads})
     if peak > budget:
         p.append(f"load peak {peak / GIB:.2f} GiB exceeds the stage's {budget / GIB:.2f} GiB "
                  f"({opts.gpu_memory_utilization:g} of {card.memory_gib:g} GiB)")
@@ -600,6 +632,11 @@ def make_plan(ckpt: Checkpoint, opts: Options, sums: dict | None = None) -> Plan
                  f"{need / GIB:.2f} GiB, {max(left, 0) / GIB:.2f} GiB left"
                  + (f" (max_num_seqs {max_seqs} would fit)" if max_seqs else ""))
 
+    if fish and shape.num_linear and left > 0:
+        plan.notes.append("the cache figures count bytes per token and per sequence; vLLM also rounds to KV "
+                          "groups and pads the linear-attention state to an attention block, which holds fewer "
+                          "full-length sequences: `python benchmarks/tower_kv_groups.py --memory-gib "
+                          f"{left / GIB:.2f} --max-model-len {opts.max_model_len}` prints vLLM's own count")
     if fish and ckpt.codec is not None:
         # Stage 1, the DAC decoder, on a card it shares with stage 0 (the published deploy and the
         # shipped profiles put it beside an AR rank).
