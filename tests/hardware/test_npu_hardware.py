@@ -5,8 +5,9 @@ where it is installed but cannot be used (tests/conftest.py).
 Needs, besides the NPU: vllm, vllm-ascend and vllm-omni installed with drama3-patches (its
 start-up hook active), and for the checkpoint tests the Drama 3 checkpoint in
 ``DRAMA3_NPU_MODEL`` (a local directory). ``DRAMA3_NPU_DEPLOY`` picks the deploy file of the
-end-to-end test (default: the 910B TP2+EP profile, which needs a fish_omni build that accepts
-tensor parallelism: the published one refuses it).
+end-to-end test (default: the 910B TP2+EP profile, which the published fish_omni serves through
+the patches fish-omni-tensor-parallel and fish-omni-tower-tp-split; the test runs it with
+``DRAMA3_PATCHES_TP_CHECK=1``, so the two ranks' frames are compared at every step).
 
 Every check runs in a fresh interpreter (``subproc.call``) started with the engine enabled and
 strict: the start-up hook patches modules as they import, as in a deployment, and the device
@@ -209,7 +210,8 @@ def test_drama3_serves_one_request_with_stage_0_on_v2_and_stage_1_on_v1(tmp_path
     # engine cores of the hybrid AR stage schedule (prefill_end) without TypeError, and the
     # V2 runner's prepare_inputs gets the argument count its parent takes.
     reports = tmp_path / "reports"
-    env = {**ASCEND_HOST_ENV, "DRAMA3_PATCHES_REPORT_DIR": str(reports), "VLLM_LOGGING_LEVEL": "INFO"}
+    env = {**ASCEND_HOST_ENV, "DRAMA3_PATCHES_REPORT_DIR": str(reports), "VLLM_LOGGING_LEVEL": "INFO",
+           "DRAMA3_PATCHES_TP_CHECK": "1"}
     log = call(serve_one_request, os.environ["DRAMA3_NPU_MODEL"], DEPLOY, env=env, timeout=1800, with_output=True)
     assert log["result"] == 1
     assert "Using MR v2 " in log["output"]  # ours (NPUOmniARModelRunner) or one vLLM-Omni ships
@@ -226,7 +228,23 @@ def test_drama3_serves_one_request_with_stage_0_on_v2_and_stage_1_on_v1(tmp_path
     # host park on preemption, the FP8 experts through the Ascend method.
     for patch_id in ("tower-sampler-eager", "gdn-backbone-ascend", "preemption-host-copy", "fp8-expert-method"):
         assert "applied" in states[patch_id], (patch_id, states.get(patch_id))
+    if deploy_stages_tp(DEPLOY) > 1:
+        # Stage 0 over two ranks: the model accepted TP, the tower split, the ranks never drifted
+        # (the frames check raises TensorParallelDrift on the first differing step).
+        for patch_id in ("fish-omni-tensor-parallel", "fish-omni-tower-tp-split"):
+            assert "applied" in states[patch_id], (patch_id, states.get(patch_id))
+        assert "TensorParallelDrift" not in log["output"] and "differ from rank 0" not in log["output"]
+        assert "fish-omni-tensor-parallel: built" in log["output"]
     assert not any("failed" in s for s in states.values())
+
+
+def deploy_stages_tp(path: str) -> int:
+    """Stage 0's tensor_parallel_size in a deploy file."""
+    import yaml
+
+    with open(path) as fh:
+        stages = yaml.safe_load(fh).get("stages") or []
+    return int(next((s.get("tensor_parallel_size") or 1 for s in stages if s.get("stage_id") == 0), 1))
 
 
 def serve_one_request(model: str, deploy: str) -> int:

@@ -70,13 +70,14 @@ def test_constructor_accepts_tp_and_keeps_pipeline_refusal():
     assert r["2x2"] == f"refused: {UPSTREAM_REFUSAL}" and r["1x2"] == f"refused: {UPSTREAM_REFUSAL}"
 
 
-def agreement_child() -> dict:
-    """One rank: the patched _reference_codes and postprocess_model_output, through the engine."""
+def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
+    """One rank: the patched _reference_codes and postprocess_model_output, through the engine
+    (``device``/``backend``: the sampled frames' device and the group's device backend)."""
     import torch
 
     from support.vllm_state import tp_group
 
-    rank, _ = tp_group()
+    rank, _ = tp_group(backend=backend)
     from vllm_omni.model_executor.models.fish_omni import fish_omni_model as fm
     from vllm_omni.model_executor.models.fish_omni import model_state as ms
 
@@ -91,7 +92,7 @@ def agreement_child() -> dict:
            "none_on_rank0": model._reference_codes({"ref_codes": [own]} if rank else {}, torch.device("cpu"))}
 
     state = object.__new__(ms.FishOmniModelState)
-    state.buffers = SimpleNamespace(sampled_frames=torch.arange(33).reshape(3, 11))
+    state.buffers = SimpleNamespace(sampled_frames=torch.arange(33, device=device).reshape(3, 11))
     state._valid_rows, state._partitioned = [True, True, True], False
     batch = SimpleNamespace(num_reqs=3)
     hidden, snapshot = state.postprocess_model_output(torch.zeros(3, 4), batch, None)

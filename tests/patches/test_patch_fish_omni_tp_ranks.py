@@ -47,19 +47,26 @@ class HalvesSummed:
                 + torch.nn.functional.linear(x[..., half:], w[:, half:]))
 
 
-def tower_child(layout: str, halves: bool = False) -> dict:
+def tower_child(layout: str, halves: bool = False, device: str = "cpu", backend: str = "gloo") -> dict:
     """One rank: the patched tower and sampler on fixed inputs; their outputs and the split.
-    ``halves`` (TP1 only): the output projections summed as :class:`HalvesSummed` does."""
+    ``halves`` (TP1 only): the output projections summed as :class:`HalvesSummed` does.
+    ``device``/``backend``: where the layers run and the group's device backend (the hardware
+    tier: ``npu``/``hccl``, each rank on its own card); built and loaded on the host either way."""
+    import os
+
     import torch
 
     from support.vllm_state import enter_config, sdpa_attention, tp_group
+
+    if device != "cpu":
+        torch.npu.set_device(int(os.environ["DRAMA3_TEST_RANK"]))
 
     from vllm.config import CompilationConfig, DeviceConfig, VllmConfig
     from vllm.config.compilation import CompilationMode
 
     enter_config(VllmConfig(device_config=DeviceConfig(device="cpu"),
                             compilation_config=CompilationConfig(mode=CompilationMode.NONE, custom_ops=["none"])))
-    rank, world = tp_group()
+    rank, world = tp_group(backend=backend)
     from vllm_omni.model_executor.models.fish_omni import codebook_tower as ct
     from vllm_omni.model_executor.models.fish_omni.configuration_fish_omni import FishOmniAudioDecoderConfig
     from vllm_omni.model_executor.models.fish_omni.sampling import FusedFrameSampler
@@ -103,18 +110,25 @@ def tower_child(layout: str, halves: bool = False) -> dict:
     semantic = torch.rand(TOKENS, generator=g) > 0.2
     extra = torch.randn(TOKENS, DIM, generator=g).bfloat16()
     positions = torch.arange(TOKENS)
-    sampler = FusedFrameSampler(max_top_k=32, num_codebooks=4, max_rows=ROWS, device=torch.device("cpu"))
+    dev = torch.device(device)
+    sampler = FusedFrameSampler(max_top_k=32, num_codebooks=4, max_rows=ROWS, device=dev)
     torch.manual_seed(5)  # the noise, as vLLM seeds every worker alike
-    noise = sampler.noise(ROWS, torch.device("cpu"))
-    temperature = torch.full((ROWS,), 0.8)
-    top_k, top_p = torch.full((ROWS,), 30), torch.full((ROWS,), 0.95)
-    rows = torch.arange(TOKENS - ROWS, TOKENS)
+    noise = sampler.noise(ROWS, torch.device("cpu")).to(dev)
+    temperature = torch.full((ROWS,), 0.8, device=dev)
+    top_k, top_p = torch.full((ROWS,), 30, device=dev), torch.full((ROWS,), 0.95, device=dev)
+    rows = torch.arange(TOKENS - ROWS, TOKENS, device=dev)
+    for module in (*layers, head, rotary):
+        module.to(dev)
+    for layer in layers:
+        if layer.code_table is not None:
+            layer.code_table = layer.code_table.to(dev)
+    hidden, codes, semantic, extra, positions = (t.to(dev) for t in (hidden, codes, semantic, extra, positions))
     with torch.no_grad():
         out = layers[0](hidden, codes, semantic, extra, positions)
         out = layers[1](out, codes, semantic, None, positions)
         drawn = [sampler.code(head(out[rows]), temperature, top_k, top_p, noise, k).tolist() for k in range(3)]
     split = getattr(layers[0], "tp_split", None)
-    return {"rank": rank, "world": world, "states": states, "hidden": out.float().tolist(), "codes": drawn,
+    return {"rank": rank, "world": world, "states": states, "hidden": out.float().cpu().tolist(), "codes": drawn,
             "heads": layers[0].num_heads, "kv_heads": layers[0].num_kv_heads,
             "attn_kv_heads": layers[0].attn.num_kv_heads, "split": None if split is None else split.kv_head_start,
             "o_proj": type(layers[0].o_proj).__name__, "qkv_rows": layers[0].qkv_proj.weight.shape[0]}

@@ -30,10 +30,11 @@ def tp1_group() -> None:
     initialize_model_parallel(1, 1)
 
 
-def tp_group(tp_size: int | None = None) -> tuple[int, int]:
+def tp_group(tp_size: int | None = None, backend: str = "gloo") -> tuple[int, int]:
     """This process's place in a gloo group started by ``support.subproc.call_ranks`` (its
     variables), with vLLM's model parallel state at TP = ``tp_size`` (default: the whole world),
-    PP = 1, inside a current config (a CPU one unless one was entered). Returns (rank, world size)."""
+    PP = 1, inside a current config (a CPU one unless one was entered). ``backend``: the device
+    group's (``hccl`` on Ascend cards, after the rank's device is set). Returns (rank, world size)."""
     import os
 
     if not _ENTERED:
@@ -42,7 +43,7 @@ def tp_group(tp_size: int | None = None) -> tuple[int, int]:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     rank, world = int(os.environ["DRAMA3_TEST_RANK"]), int(os.environ["DRAMA3_TEST_WORLD"])
-    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend=backend,
                                  distributed_init_method=os.environ["DRAMA3_TEST_INIT"])
     initialize_model_parallel(tp_size or world, 1)
     return rank, world
