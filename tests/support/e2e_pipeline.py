@@ -97,8 +97,7 @@ def cpu_deploy(*, max_num_seqs: int = 4, kv_cache_bytes: int = 64 << 20, max_mod
     ar.update(worker_cls=STAGE0_WORKER, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_bytes,
               max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=eager)
     codec.update(worker_cls=STAGE1_WORKER, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=16 << 20)
-    if kv_blocks is not None:  # a KV cache of this many blocks instead of a byte count
-        ar.pop("kv_cache_memory_bytes")
+    if kv_blocks is not None:  # this many KV blocks (the byte count still spares vLLM's CPU memory check)
         ar["num_gpu_blocks_override"] = kv_blocks
     if max_tokens is not None:  # frames per request when the client does not say (the API server)
         ar["default_sampling_params"]["max_tokens"] = max_tokens
