@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import os
 import time
 from pathlib import Path
