@@ -224,9 +224,16 @@ BUILDERS = {INIT: build_init, CODES: build_codes, FRAMES: build_frames_check}
 def plan(ctx: PatchContext) -> dict:
     init = ctx.original(INIT) if INIT in ctx.targets else None
     if init is None:
-        # The model state's module is imported by the model; the model module is then importable,
-        # and its constructor may already be this patch's wrapper: probe what it wraps.
-        init = importlib.import_module(MODEL_MODULE).__dict__[MODEL_CLASS].__dict__["__init__"]
+        # The model state's module alone: its constructor may already be this patch's wrapper
+        # (probe what it wraps). Where the model module cannot import (a host without its
+        # vision dependencies), no model can run either; the frames check, inert unless a TP
+        # group of several ranks exists and DRAMA3_PATCHES_TP_CHECK=1, is installed unprobed.
+        try:
+            init = importlib.import_module(MODEL_MODULE).__dict__[MODEL_CLASS].__dict__["__init__"]
+        except ImportError as exc:
+            ctx.logger.debug("fish-omni-tensor-parallel: %s does not import (%s); frames check unprobed",
+                             MODEL_MODULE, exc)
+            return {target: BUILDERS[target](ctx.original(target)) for target in ctx.targets}
         while is_proxy(init) and getattr(getattr(init, "_self_wrapper", None), "__module__", None) == __name__:
             init = init.__wrapped__
     try:
