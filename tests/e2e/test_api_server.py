@@ -27,7 +27,7 @@ def test_api_server_streams_speech_to_bench_and_reports_patches(model_dir, tmp_p
         ready_s = ep.wait_ready(server, port, log)
         print(f"server ready in {ready_s:.1f} s")
         meta, out = ep.write_meta(tmp_path), tmp_path / "bench.json"
-        bench = run_cli("bench", "--url", f"http://127.0.0.1:{port}", "--meta", str(meta), "--concurrency", "1,2",
+        bench = run_cli("bench", "--url", f"http://127.0.0.1:{port}", "--meta", str(meta), "--concurrency", "2",
                         "--limit", "2", "--warmup", "0", "--json", str(out), "--quiet", timeout=900)
         print(bench.stdout, bench.stderr)
         assert bench.returncode == 0, bench.stderr
@@ -36,7 +36,8 @@ def test_api_server_streams_speech_to_bench_and_reports_patches(model_dir, tmp_p
         ep.stop_server(server)
     print(collected.stdout)
     levels = json.loads(out.read_text())["levels"]
-    assert [lv["max_concurrency"] for lv in levels] == [1, 2]
+    # one level of two concurrent requests: the engine batches them (a second level only costs CI time)
+    assert [lv["max_concurrency"] for lv in levels] == [2]
     for level in levels:
         assert (level["completed"], level["failed"]) == (2, 0), level["failures"]
         assert level["audio_throughput"] > 0 and level["request_throughput"] > 0
