@@ -189,6 +189,10 @@ FISH_CPU_DECODER = dict(dim=128, n_head=2, n_local_heads=1, head_dim=64, interme
 FISH_CPU_CFG = {k: v for k, v in FISH_CFG.items() if k != "quantization_config"}
 FISH_CPU_CFG.update(text_config=FISH_CPU_TEXT, audio_decoder_config=FISH_CPU_DECODER, semantic_start_token_id=248099,
                     semantic_end_token_id=248099 + 1023, audio_pad_token_id=248076, eos_token_id=248046)
+# FISH_CPU_CFG with heads that split over two tensor ranks (the e2e TP2 run): two linear key heads
+# (vLLM's GDN layer divides them by the TP size); the rest already splits (2 query / 2 KV heads,
+# 2 linear value heads, 4 experts for expert parallel, the tower's 2 query heads and 1 KV head).
+FISH_CPU_TP2_CFG = dict(FISH_CPU_CFG, text_config=dict(FISH_CPU_TEXT, linear_num_key_heads=2))
 # Special tokens of the prompt layout (fish_omni/prompt.py). The config fixes eos (<|im_end|>) and
 # the audio pad; the others' ids are this stand-in's, in the gap below the semantic band.
 FISH_SPECIAL_IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<|voice|>": 248050,

@@ -110,11 +110,12 @@ def write_deploy(path: Path, **kwargs) -> Path:
     return path
 
 
-def write_model(d: str, seed: int = 0) -> str:
-    """The tiny published-format checkpoint (run in a child: it imports vLLM-Omni for the DAC shapes)."""
-    from support.checkpoints import FISH_CPU_CFG, write_fish_checkpoint
+def write_model(d: str, seed: int = 0, cfg: str = "FISH_CPU_CFG") -> str:
+    """The tiny published-format checkpoint (run in a child: it imports vLLM-Omni for the DAC shapes);
+    ``cfg`` names the config in support.checkpoints (``FISH_CPU_TP2_CFG``: heads that split at TP2)."""
+    from support import checkpoints
 
-    write_fish_checkpoint(Path(d), FISH_CPU_CFG, seed=seed)
+    checkpoints.write_fish_checkpoint(Path(d), getattr(checkpoints, cfg), seed=seed)
     return d
 
 
