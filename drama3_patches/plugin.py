@@ -9,13 +9,8 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from drama3_patches import env
+    from drama3_patches import _bootstrap, env
 
-    if not env.enabled():
-        return
-    try:
-        from drama3_patches.engine import activate
-
-        activate()
-    except Exception as exc:  # vLLM must not die at plugin load because of us (outside STRICT)
-        env.soft_failure("drama3-patches could not patch", exc)
+    if env.enabled():
+        # the .pth hook's own call: outside STRICT an error of ours is one warning, never vLLM's
+        _bootstrap._call(_bootstrap.ACTIVATE)
