@@ -3,12 +3,27 @@
 Each build is a fresh interpreter with the platform forced to npu and the patches strict, so
 ``fish-omni-tensor-parallel`` (TP > 1 accepted) and ``fish-omni-tower-tp-split`` (the codebook
 tower's heads per rank) apply. The VllmConfig is vLLM-Omni's own for stage 0: the e2e tier's CPU
-deploy resolved as the engine resolves it (``prepare_stage_config_inputs`` +
-``resolve_omni_config``), then ``build_vllm_config``; vLLM's parallel state on a gloo group
-(``support.vllm_state``), then vLLM's ``get_model``. Every parameter and buffer comes back with
-the type of the module that owns it; the parent derives each one's expected relation to TP1 from
-that type and fails on any that does not hold it.
+deploy (bfloat16, eager; TP2 with ``enable_expert_parallel``) resolved as the engine resolves it
+(``prepare_stage_config_inputs``, ``resolve_omni_config``), then ``build_vllm_config`` (without
+the inter-stage connector spec, which does not reach the model). vLLM's parallel state on a gloo
+group (``support.vllm_state``), then vLLM's ``get_model``: the real loader on the tiny
+published-format checkpoint. Every parameter, buffer and plain tensor attribute comes back with
+the type of the module that owns it.
+
+The parent derives each tensor's expected relation to TP1 from that type (:func:`expected_class`)
+and fails on any tensor whose relation does not hold or whose type has no rule:
+
+* ``replicated``: vLLM's ReplicatedLinear, torch layers, norms, rotary caches, the tower's code
+  tables: equal on both ranks and to TP1;
+* ``rows`` / ``cols``: Column/VocabParallel layers and the GDN layer's per-head ``A_log``/``dt_bias``
+  / RowParallel layers and the split tower's ``o_proj``: rank r holds TP1's r-th slice, the ranks
+  joined give TP1;
+* ``segment-rows``: QKV and merged column layers and the GDN conv: each packed part sliced;
+* ``experts``: RoutedExperts' ``w13``/``w2``: whole experts by the rank's expert map, which must be
+  vLLM's linear placement (``expert-map``: the map buffer EP adds, absent at TP1);
+* ``tower-qkv``: the split tower's ``qkv_proj``: the rows of the rank's heads.
 """
+
 
 from __future__ import annotations
 
@@ -315,3 +330,40 @@ def test_tp2_ep_weights_follow_each_layer_types_split(model_dir, tmp_path):
     assert not wrong, {n: table[n] for n in wrong}
     # each class the rule names is met by at least one tensor of this model
     assert set(counts) == {"replicated", "rows", "cols", "segment-rows", "experts", "tower-qkv", "expert-map"}, counts
+
+
+def test_relations_reject_layouts_other_than_their_own():
+    """The checker on made-up tensors: each relation holds for its own layout only, and a type
+    without a rule has no expected class."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(8, 6, generator=g).bfloat16()
+    halves = list(full.chunk(2, dim=0))
+    column = {"mro": ["MergedColumnParallelLinear", "ColumnParallelLinear"]}
+    packed = [torch.cat((full[0:2], full[4:6])), torch.cat((full[2:4], full[6:8]))]  # parts [4, 4] split each
+    assert relation_holds("rows", full, halves, [{}, {}], {}, {})
+    assert not relation_holds("rows", full, halves[::-1], [{}, {}], {}, {})
+    assert not relation_holds("replicated", full, [full, full.neg()], [{}, {}], {}, {})
+    assert relation_holds("segment-rows", full, packed, [column, column], {"output_sizes": [4, 4]}, {})
+    assert not relation_holds("segment-rows", full, halves, [column, column], {"output_sizes": [4, 4]}, {})
+
+    experts = torch.randn(4, 3, 2, generator=g).bfloat16()
+    linear = [{"expert_map": _expected_map(4, 2, r), "ep_size": 2, "ep_rank": r} for r in range(2)]
+    assert linear[1]["expert_map"] == [-1, -1, 0, 1]
+    assert relation_holds("experts", experts, [experts[:2], experts[2:]], linear, {}, {})
+    assert not relation_holds("experts", experts, [experts[2:], experts[:2]], linear, {}, {})
+    round_robin = [{"expert_map": [0, -1, 1, -1], "ep_size": 2, "ep_rank": 0},
+                   {"expert_map": [-1, 0, -1, 1], "ep_size": 2, "ep_rank": 1}]
+    assert not relation_holds("experts", experts, [experts[0::2], experts[1::2]], round_robin, {}, {})
+
+    tower = {"n_head": 2, "n_local_heads": 1, "head_dim": 2}  # rows: [q0 g0 | q1 g1 | k | v], 2 each
+    qkv = torch.randn(12, 3, generator=g).bfloat16()
+    splits = [{"tower_split": {"tp_size": 2, "tp_rank": r, "num_heads": 1, "num_kv_heads": 1, "head_start": r,
+                               "kv_head_start": 0}} for r in range(2)]
+    own = [torch.cat((qkv[4 * r:4 * r + 4], qkv[8:12])) for r in range(2)]
+    assert relation_holds("tower-qkv", qkv, own, splits, {}, tower)
+    assert not relation_holds("tower-qkv", qkv, list(qkv.chunk(2)), splits, {}, tower)
+
+    assert expected_class("x.weight", {"mro": ["SomeNewParallelLinear", "Module"]}) is None
+    assert expected_class("a.o_proj.weight", {"mro": ["RowParallelOut", "Linear"]}) == "cols"
