@@ -88,7 +88,9 @@ def install_pair(session, vllm_dist, vllm, vllm_omni, imports):
 def tests(session, vllm, vllm_omni):
     install_pair(session, "vllm", vllm, vllm_omni, OMNI_IMPORTS)
     once = [] if (vllm, vllm_omni) == NEWEST else ["-m", "vllm and not e2e"]
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *once, *session.posargs,
+    # one worker per core, at most 4: each holds vLLM (and its children) in memory
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4", *once,
+                *session.posargs,
                 env={"VLLM_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
 
 

@@ -101,8 +101,9 @@ def test_measured_figures_match_what_was_injected(tmp_path):
             assert x["audio_seconds"] == pytest.approx(AUDIOS[n], abs=1e-12)  # exact from the byte count
             assert x["sample_rate"] == NATIVE_RATE  # read from the WAV header
             # First samples come at `first`; the header alone (at 0.02 s) does not count,
-            # and the stream goes on for 3 gaps more, which TTFA must not include.
-            assert FIRSTS[n] <= x["ttft"] < FIRSTS[n] + 3 * GAP
+            # and the stream goes on for 3 gaps more, which TTFA must not include (judged against
+            # the request's own end, not a fixed bound: a loaded host delays the first chunk too).
+            assert FIRSTS[n] <= x["ttft"] and x["latency"] - x["ttft"] > 2 * GAP
             assert x["latency"] >= FIRSTS[n] + 3 * GAP
             assert x["rtf"] == pytest.approx(x["latency"] / AUDIOS[n])
         ttfts = [x["ttft"] for x in level["requests"]]
