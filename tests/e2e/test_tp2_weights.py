@@ -3,7 +3,8 @@
 Each build is a fresh interpreter with the platform forced to npu and the patches strict, so
 ``fish-omni-tensor-parallel`` (TP > 1 accepted) and ``fish-omni-tower-tp-split`` (the codebook
 tower's heads per rank) apply. The VllmConfig is vLLM-Omni's own for stage 0: the e2e tier's CPU
-deploy (bfloat16, eager; TP2 with ``enable_expert_parallel``) resolved as the engine resolves it
+deploy (bfloat16, eager; TP2 with ``enable_expert_parallel`` and, as the ``910b-tp2-ep`` profile
+sets it, ``enable_ep_weight_filter``: each rank's loader skips the other rank's experts by name) resolved as the engine resolves it
 (``prepare_stage_config_inputs``, ``resolve_omni_config``), then ``build_vllm_config`` (without
 the inter-stage connector spec, which does not reach the model). vLLM's parallel state on a gloo
 group (``support.vllm_state``), then vLLM's ``get_model``: the real loader on the tiny
@@ -47,7 +48,7 @@ def _deploy(path: Path, tp: int) -> str:
     deploy = ep.cpu_deploy()
     deploy["dtype"] = "bfloat16"  # pipeline-wide in vLLM-Omni's deploy schema
     if tp > 1:
-        deploy["stages"][0].update(tensor_parallel_size=tp, enable_expert_parallel=True,
+        deploy["stages"][0].update(tensor_parallel_size=tp, enable_expert_parallel=True, enable_ep_weight_filter=True,
                                    devices=",".join(str(d) for d in range(tp)))
     path.write_text(yaml.safe_dump(deploy, sort_keys=False))
     return str(path)
@@ -106,7 +107,8 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
                                      strategy_config_path=inputs.strategy_config_path)
     vllm_config, _ = build_vllm_config(resolution.stage_configs[0], inputs.model)
     parallel = vllm_config.parallel_config
-    assert (parallel.tensor_parallel_size, parallel.enable_expert_parallel) == (tp, tp > 1), parallel
+    assert (parallel.tensor_parallel_size, parallel.enable_expert_parallel, parallel.enable_ep_weight_filter) == (
+        tp, tp > 1, tp > 1), parallel
     assert vllm_config.model_config.dtype == torch.bfloat16 and vllm_config.model_config.enforce_eager
 
     enter_config(vllm_config)
@@ -118,6 +120,18 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
 
+    # What the EP weight filter kept from disk: every checkpoint name the loader's filter turned away
+    from vllm.model_executor.model_loader import weight_utils
+
+    skipped, judge = [], weight_utils.should_skip_weight
+
+    def recording(name, local_expert_ids):
+        skip = judge(name, local_expert_ids)
+        if skip:
+            skipped.append(name)
+        return skip
+
+    weight_utils.should_skip_weight = recording
     with set_current_vllm_config(vllm_config):
         built = get_model(vllm_config=vllm_config)
 
@@ -140,7 +154,8 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
     states = {p["id"]: p["state"] for p in drama3_patches.status()["patches"]}
     return {"rank": rank, "owners": owners, "states": {i: states.get(i) for i in TP_PATCHES},
             "failed": sorted(i for i, s in states.items() if s == "failed"),
-            "model": type(built).__name__, "placement": parallel.expert_placement_strategy}
+            "model": type(built).__name__, "placement": parallel.expert_placement_strategy,
+            "skipped_from_disk": sorted(set(skipped))}
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,6 +205,26 @@ def _segments(facts: dict, tp1_facts: dict) -> list:
 
 def _rank_part(full, dim: int, pieces: int, index: int):
     return full.chunk(pieces, dim=dim)[index]
+
+
+def _expert_names(model: str) -> dict:
+    """The checkpoint's per-expert weight tensors: name -> expert id (``...experts.<id>...weight``)."""
+    import re
+
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            for name in fh.keys():
+                found = re.search(r"\.experts\.(\d+)\.", name)
+                if found and name.endswith(".weight"):
+                    out[name] = int(found.group(1))
+    return out
+
+
+def _expected_local(experts: int, ep: int, rank: int) -> set:
+    return {e for e, local in enumerate(_expected_map(experts, ep, rank)) if local >= 0}
 
 
 def _expected_map(experts: int, ep: int, rank: int) -> list:
@@ -290,6 +325,14 @@ def test_tp2_ep_weights_follow_each_layer_types_split(model_dir, tmp_path):
     for rank, run in enumerate(ranks):
         assert run["rank"] == rank
         assert run["states"] == {i: "applied" for i in TP_PATCHES}, run["states"]
+    # enable_ep_weight_filter (the 910b-tp2-ep profile's setting): each rank's loader turned away
+    # exactly the other rank's experts (rank 0 keeps experts 0-1, rank 1 keeps 2-3), and TP1 nothing
+    assert tp1["skipped_from_disk"] == []
+    experts = _expert_names(model_dir)
+    assert experts, "the checkpoint has no per-expert tensors"
+    for rank, run in enumerate(ranks):
+        others = sorted(n for n, e in experts.items() if e not in _expected_local(len(set(experts.values())), 2, rank))
+        assert run["skipped_from_disk"] == others, (rank, run["skipped_from_disk"][:4], others[:4])
 
     full = torch.load(tmp_path / "tp1.pt")
     shards = [torch.load(tmp_path / f"tp2_{r}.pt") for r in range(2)]
