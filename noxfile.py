@@ -62,7 +62,7 @@ def _declared(session, dist):
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    code = ("import importlib.metadata as m, json, sys; from packaging.requirements import Requirement as R; "
+    code = ("import importlib.metadata as m, json; from packaging.requirements import Requirement as R; "
             f"print(json.dumps([r for r in m.requires({dist!r}) or [] "
             "if not R(r).marker or R(r).marker.evaluate({'extra': ''})]))")
     out = session.run("python", "-c", code, silent=True)
