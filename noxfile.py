@@ -65,7 +65,8 @@ def _declared(session, dist):
     code = ("import importlib.metadata as m, json; from packaging.requirements import Requirement as R; "
             f"print(json.dumps([r for r in m.requires({dist!r}) or [] "
             "if not R(r).marker or R(r).marker.evaluate({'extra': ''})]))")
-    out = session.run("python", "-c", code, silent=True)
+    # run_install: it runs under `nox --install-only` too (the environment is built, no test runs)
+    out = session.run_install("python", "-c", code, silent=True)
     reqs = [Requirement(r) for r in json.loads(out.strip().splitlines()[-1])]
     for req in reqs:
         req.marker = None
