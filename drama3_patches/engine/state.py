@@ -7,6 +7,7 @@ It changes no code object; the install room does that.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -120,6 +121,7 @@ def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[
         "provided_by": providers(dists),
         "pid": os.getpid(),
         "manifest": str(manifest.path),
+        "counts": counters(),
         "patches": [
             {
                 "id": rec.spec.id,
@@ -135,13 +137,61 @@ def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[
     }
 
 
+# Runtime counters: what the patches' runtime checks did in this process (preemptions parked,
+# resumes verified, tensor-parallel steps compared). The report shows them, so a check that never
+# ran is seen as 0 rather than taken as passed. Writing the report on every step would put file
+# I/O on the serving path: an increment schedules one write FLUSH_DELAY_S later instead.
+FLUSH_DELAY_S = 0.5
+_counters: dict[str, int] = {}
+_counter_lock = threading.Lock()
+_flush_timer: threading.Timer | None = None
+
+
+def count(name: str, n: int = 1) -> None:
+    """Add ``n`` to this process's counter ``name``; the report shows it within FLUSH_DELAY_S."""
+    global _flush_timer
+    with _counter_lock:
+        _counters[name] = _counters.get(name, 0) + n
+        if _flush_timer is None and os.environ.get(env.REPORT_DIR):
+            _flush_timer = threading.Timer(FLUSH_DELAY_S, flush_counts)
+            _flush_timer.daemon = True
+            _flush_timer.start()
+
+
+def counters() -> dict[str, int]:
+    with _counter_lock:
+        return dict(_counters)
+
+
+def flush_counts() -> None:
+    """Write the report now if a counter changed since the last write (the timer's and exit's job)."""
+    global _flush_timer
+    with _counter_lock:
+        pending, _flush_timer = _flush_timer, None
+    if pending is None:
+        return
+    pending.cancel()
+    try:
+        from drama3_patches.engine import get_engine
+
+        write_report(get_engine())
+    except Exception as exc:  # a report is never worth a crash of the serving process
+        env.warn_once("report-counts", f"cannot write the runtime counts to the status report: {exc}")
+
+
+atexit.register(flush_counts)
+
 _report_lock = threading.Lock()
 
 
 def _new_report_lock() -> None:
-    # A fork while another thread writes would leave the child's copy held forever.
-    global _report_lock
+    # A fork while another thread writes would leave the child's copy held forever; the child is
+    # another process, so it starts its own counts.
+    global _report_lock, _counter_lock, _flush_timer
     _report_lock = threading.Lock()
+    _counter_lock = threading.Lock()
+    _flush_timer = None
+    _counters.clear()
 
 
 os.register_at_fork(after_in_child=_new_report_lock)
