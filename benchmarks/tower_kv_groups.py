@@ -15,7 +15,7 @@ stage-0 layers build at the given tensor-parallel size, from the same vLLM piece
   TP) or the rank's heads from ``drama3_patches.kernels.tensor_parallel.head_split``, the split
   the fish-omni-tower-tp-split patch builds the layer with.
 
-Shapes: ``tests/support/checkpoints.py`` ``DRAMA3_CFG`` (the published FishOmniConfig's class
+Shapes: ``drama3_patches/tools/tiny_model.py`` ``DRAMA3_CFG`` (the published FishOmniConfig's class
 shape); settings: the 910b-tp2-ep profile (128-token blocks, max_model_len 8192, float32 GDN
 state). Memory for KV per card: ``--memory-gib`` (default 15.15, what ``drama3-patches plan
 --deploy 910b-tp2-ep`` leaves on a 910B1), the same for every row so that the rows compare
@@ -38,8 +38,7 @@ GIB = 1 << 30
 
 
 def drama3_shapes() -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.checkpoints import DRAMA3_CFG
+    from drama3_patches.tools.tiny_model import DRAMA3_CFG
 
     return DRAMA3_CFG
 

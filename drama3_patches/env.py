@@ -17,6 +17,10 @@ PLATFORM = "DRAMA3_PATCHES_PLATFORM"
 REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
 MANIFEST = "DRAMA3_PATCHES_MANIFEST"
 TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
+RESUME_CHECK = "DRAMA3_PATCHES_RESUME_CHECK"
+# Test-only fault injection: a runtime check that never saw its fault cannot be trusted to pass.
+FAULT = "DRAMA3_PATCHES_FAULT"
+FAULTS = ("parked-history", "tp-drift")
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -164,6 +168,16 @@ def strict() -> bool:
 def tp_check() -> bool:
     """Compare each step's sampled frames across the tensor-parallel group (off by default)."""
     return parse_flag(TP_CHECK)
+
+
+def resume_check() -> bool:
+    """Verify that a resumed request is fed back the frames it had when preempted (off by default)."""
+    return parse_flag(RESUME_CHECK)
+
+
+def fault(name: str) -> bool:
+    """Whether the test-only fault ``name`` (one of FAULTS) is switched on in $DRAMA3_PATCHES_FAULT."""
+    return name in {part.strip() for part in os.environ.get(FAULT, "").split(",")}
 
 
 def disabled_ids() -> set[str]:

@@ -145,7 +145,7 @@ def test_split_tower_joins_the_backbone_kv_groups():
 
 def ep_filter_child() -> dict:
     """vLLM's EP weight filter on fish_omni's config and checkpoint names, for EP 2."""
-    from support.checkpoints import FISH_CFG, fish_tensor_specs
+    from drama3_patches.tools.tiny_model import FISH_CFG, fish_tensor_specs
     from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids, should_skip_weight
     from vllm.transformers_utils.config import get_hf_text_config
     from vllm_omni.model_executor.models.fish_omni.configuration_fish_omni import FishOmniConfig

@@ -518,3 +518,43 @@ def resume_on_the_npu(tmp: str) -> dict:
     torch.npu.synchronize()
     _check_resumed(state, model, a_frames, b_frames)
     return out
+
+
+def _resume_counts() -> dict:
+    from drama3_patches.engine import state as engine_state
+
+    return {k: v for k, v in engine_state.counters().items() if k in ("preemptions", "resumes", "resumes_verified")}
+
+
+@pytest.mark.vllm
+@needs_fish_omni
+@pytest.mark.forked
+def test_resume_check_verifies_the_resumed_history_and_names_a_corrupted_one(tmp_path, monkeypatch):
+    """DRAMA3_PATCHES_RESUME_CHECK=1: the published scenario (A preempted after 6 frames, B reuses
+    its slot, A resumes elsewhere) counts one preemption, one resume and one verified resume; with
+    the test-only fault that alters the parked frames, the resume raises naming the request and the
+    frame; without the check, preemptions and resumes are counted and nothing is verified."""
+    fake_npu.vllm_on_npu()
+    vllm_config = _vllm_config(tmp_path)
+    import vllm_omni.model_executor.models.fish_omni.model_state  # noqa: F401  (the target module)
+
+    apply_on_npu(monkeypatch, "preemption-host-copy")
+    monkeypatch.setenv("DRAMA3_PATCHES_RESUME_CHECK", "1")
+    state, model = _build(vllm_config, "npu")
+    a_frames, b_frames = _scenario(state, model)
+    _check_resumed(state, model, a_frames, b_frames)
+    assert _resume_counts() == {"preemptions": 1, "resumes": 1, "resumes_verified": 1}
+    assert not state.__dict__[php.HistoryLedger.ATTR]  # the kept copy went with the resume
+
+    monkeypatch.setenv("DRAMA3_PATCHES_FAULT", "parked-history")
+    state, model = _build(vllm_config, "npu")
+    with pytest.raises(php.ResumedHistoryMismatch, match=r"request A: resumed with 6 frames .* from frame 5 on"):
+        _scenario(state, model)
+    assert _resume_counts() == {"preemptions": 2, "resumes": 2, "resumes_verified": 1}
+
+    monkeypatch.delenv("DRAMA3_PATCHES_FAULT")
+    monkeypatch.delenv("DRAMA3_PATCHES_RESUME_CHECK")
+    state, model = _build(vllm_config, "npu")
+    _check_resumed(state, model, *_scenario(state, model))
+    assert _resume_counts() == {"preemptions": 3, "resumes": 3, "resumes_verified": 1}
+    assert php.HistoryLedger.ATTR not in state.__dict__  # nothing kept without the check

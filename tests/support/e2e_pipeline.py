@@ -1,7 +1,7 @@
 """The e2e tier's set-up: vLLM-Omni 0.32.0rc1's real engine running Drama 3 on a CPU host.
 
 Everything a run needs beyond the installed packages is made here, per test run, from the
-published files: the checkpoint (support.checkpoints, published format), a CPU deploy file
+published files: the checkpoint (the product's ``drama3_patches.tools.tiny_model``, published format), a CPU deploy file
 derived from vLLM-Omni's own ``vllm_omni/deploy/fish_omni.yaml`` (so upstream changes show), and
 the environment of every process (tests/e2e/site on ``PYTHONPATH``: the start-up hooks and CPU
 workers, each naming the upstream limit it works around).
@@ -112,14 +112,14 @@ def write_deploy(path: Path, **kwargs) -> Path:
 
 def write_model(d: str, seed: int = 0) -> str:
     """The tiny published-format checkpoint (run in a child: it imports vLLM-Omni for the DAC shapes)."""
-    from support import checkpoints
+    from drama3_patches.tools import tiny_model
 
-    checkpoints.write_fish_checkpoint(Path(d), checkpoints.FISH_CPU_CFG, seed=seed)
+    tiny_model.make(d, seed=seed)
     return d
 
 
 def tiny_model(tmp_path_factory) -> str:
-    """For a fixture: the tiny published-format checkpoint (``support.checkpoints.FISH_CPU_CFG``), written
+    """For a fixture: the tiny published-format checkpoint (``drama3_patches.tools.tiny_model.FISH_CPU_CFG``), written
     in a fresh interpreter with the e2e site hooks; the test is skipped, with the reason, where
     the tier cannot run."""
     import pytest

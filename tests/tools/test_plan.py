@@ -19,8 +19,9 @@ import pytest
 from drama3_patches.tools.plan import model as planner
 from drama3_patches.tools.plan.cards import GIB, lookup
 from drama3_patches.tools import plan as plan_cmd
-from support.checkpoints import (CFG, CODEC_SPECS, DRAMA3_CFG, FISH_CFG, STANDIN_CFG, fish_tensor_specs, tensor_specs,
-                                 write_checkpoint, write_fish_checkpoint, write_safetensors)
+from drama3_patches.tools.tiny_model import (CODEC_SPECS, DRAMA3_CFG, FISH_CFG, fish_tensor_specs, write_fish_checkpoint,
+                                             write_safetensors)
+from support.checkpoints import CFG, STANDIN_CFG, tensor_specs, write_checkpoint
 from support.subproc import run_cli
 
 
