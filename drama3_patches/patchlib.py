@@ -109,20 +109,26 @@ def wrap(original: Callable, *, signature: inspect.Signature | None = None):
 
 
 def replace_where_needed(ctx: PatchContext, needed: Callable[[Callable], bool],
-                         build: Callable[[Callable], Any], *, kind: str, checking: str, fixed: str) -> dict:
+                         build: Callable[[Callable], Any], *, kind: str, checking: str, fixed: str,
+                         companions: dict | None = None) -> dict:
     """The plan of a patch whose feature detection runs the target itself on a probe.
 
     For each target: one that is not callable is left with the reason; ``needed(original)`` says
     whether the bug is there. A probe that raises means the target no longer looks like the code
     the patch fixes, so the patch fails (``RuntimeError`` naming ``checking``); a target that is
     already fixed makes the whole patch ``not-needed`` (``fixed``). ``checking`` and ``fixed`` are
-    completed after the target's name.
+    completed after the target's name. ``companions`` maps targets that go with the probed ones
+    (a check the fix makes possible) to their own builders: they are built unprobed.
     """
+    companions = companions or {}
     replacements = {}
     for target in ctx.targets:
         original = ctx.original(target)
         if not callable(original):
             ctx.leave(target, f"{target} is {type(original).__name__}, not a {kind}")
+            continue
+        if target in companions:
+            replacements[target] = companions[target](original)
             continue
         try:
             is_needed = needed(original)

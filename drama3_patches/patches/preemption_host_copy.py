@@ -29,7 +29,7 @@ import torch
 from drama3_patches import env
 from drama3_patches.engine import state
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
+from drama3_patches.patchlib import PatchContext, function_wrapper, replace_where_needed
 
 logger = init_logger(__name__)
 
@@ -206,21 +206,8 @@ def parks_off_host(method) -> bool:
 
 
 def plan(ctx: PatchContext) -> dict:
-    out = {}
-    for target in ctx.targets:
-        original = ctx.original(target)
-        if not callable(original):
-            ctx.leave(target, f"{target} is {type(original).__name__}, not a method")
-            continue
-        if target == PREEMPT:
-            try:
-                needed = parks_off_host(original)
-            except Exception as exc:
-                raise RuntimeError(f"{target}: cannot check where a preempted request is parked: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            if not needed:
-                raise NotNeeded(f"{target} already copies the parked history and count to the host off CUDA")
-            out[target] = build(original)
-        else:
-            out[target] = build_resume(original)
-    return out
+    # add_request carries the resume check: it goes with the park it checks, unprobed.
+    return replace_where_needed(ctx, parks_off_host, build, kind="method",
+                                checking="where a preempted request is parked",
+                                fixed="already copies the parked history and count to the host off CUDA",
+                                companions={RESUME: build_resume})
