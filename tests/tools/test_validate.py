@@ -124,3 +124,7 @@ def test_the_verdict_passes_only_when_every_phase_ran_and_passed():
                                   "resumes_verified", "tp_steps_checked"}
     md = run.markdown()
     assert md.startswith("## drama3-patches validate: FAILED") and md.count("**FAIL**") == 7
+
+
+def test_no_report_folder_is_no_process_rather_than_an_error(tmp_path):
+    assert evidence.processes(str(tmp_path / "never-made"), {}) == ([], [])

@@ -46,8 +46,12 @@ class Process:
 
 def processes(report_dir: str, roles: dict) -> tuple[list[Process], list[str]]:
     """Every readable process report, with its role; and the notes on reports that were skipped."""
+    import os
+
     from drama3_patches.tools import report
 
+    if not os.path.isdir(report_dir):  # no process enabled the patches, so none made the folder
+        return [], []
     collected = report.collect(report_dir)
     out = []
     for data in collected.processes:

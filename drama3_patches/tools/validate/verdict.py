@@ -84,8 +84,8 @@ class Run:
         elif d["resumes"] < 1:
             why.append("no preempted request resumed with generated frames: raise --preempt-frames")
         if d["resumes_verified"] != d["resumes"]:
-            why.append(f"{d['resumes'] - d['resumes_verified']} of {d['resumes']} resumes not verified "
-                       "(is DRAMA3_PATCHES_RESUME_CHECK reaching the workers?)")
+            why.append(f"{d['resumes'] - d['resumes_verified']} of {d['resumes']} resumes not verified (a "
+                       "mismatch stops the engine: see row f; else the check is off in the workers)")
         ok = not problems and not why
         detail = (f"{phase.completed}/{len(phase.sent)} requests complete; {d['preemptions']} preemption(s), "
                   f"{d['resumes']} resume(s) with frames, {d['resumes_verified']} history verified by content")
