@@ -116,7 +116,7 @@ def test_the_verdict_passes_only_when_every_phase_ran_and_passed():
     run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
     run.startup(False, 31.0, "the server exited with status 1 before it was ready", "")
-    run.final(dict.fromkeys(evidence.COUNTERS, 0), [], [], "", ready=False)
+    run.final(dict.fromkeys(evidence.COUNTERS, 0), [], [], "")
     doc = json.loads(run.json())
     assert not doc["passed"] and [c["passed"] for c in doc["checks"]] == [False] * 7
     assert {c["name"][0]: c["detail"] for c in doc["checks"]}["b"] == "not run: the server never became ready"

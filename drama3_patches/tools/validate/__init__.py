@@ -126,42 +126,18 @@ def run(args) -> int:
     say(f"starting vllm serve --omni ({name}: stage 0 at TP{tp}, {'compiled' if run_.compiled else 'eager'}); "
         f"log: {log}")
     proc = server.start(model, out / "deploy.yaml", port, server_env, log)
-    url = f"http://127.0.0.1:{port}"
+    interrupted = False
     try:
-        ready, waited, why = server.wait_ready(proc, port, args.start_timeout,
-                                               tick=lambda s: say(f"  still starting ({s:.0f} s)"))
-        run_.startup(ready, waited, why, server.read_log(log))
-        say(f"a. start-up: {'ready' if ready else 'FAILED'} after {waited:.0f} s {why}")
-        if ready:
-            say(f"b. {args.clones} voice clones, {args.stagger:g} s apart")
-            clones = phases.send(url, lines[:args.clones], frames=args.clone_frames, seed=1000,
-                                 stagger=args.stagger, timeout=args.request_timeout)
-            run_.clones(clones, phases.save_audio(clones, out / "audio", "clone"))
-            say(f"   {clones.completed}/{len(clones.sent)} complete, {clones.overlaps()} overlapping, "
-                f"{clones.wall_s:.0f} s")
-            say(f"c. {args.preempt_requests} requests of {args.preempt_frames} frames into a "
-                f"{args.kv_blocks}-block KV pool")
-            before = _counts(reports, log, tp)
-            # A request is preempted only when it must grow into a new KV block while the pool is
-            # full: prompts near a block's end (PREEMPT_TEXT) that then grow by --preempt-frames.
-            long_ = [dataclasses.replace(line, text=f"{i}: {phases.PREEMPT_TEXT}", prompt_text="a clip")
-                     for i, line in enumerate(lines[:args.preempt_requests])]
-            preempted = phases.send(url, long_, frames=args.preempt_frames, seed=2000,
-                                    stagger=0.0, timeout=args.request_timeout)
-            after = _counts(reports, log, tp)
-            run_.preemption(preempted, before, after, phases.save_audio(preempted, out / "audio", "preempted"))
-            say(f"   {preempted.completed}/{len(preempted.sent)} complete; preemptions "
-                f"{after['preemptions'] - before['preemptions']}, resumes verified "
-                f"{after['resumes_verified'] - before['resumes_verified']}, {preempted.wall_s:.0f} s")
-            levels = sorted({1, args.bench_concurrency})
-            say(f"g. bench at concurrency {', '.join(map(str, levels))}, {args.bench_requests} requests each")
-            t0 = time.monotonic()
-            run_.bench(phases.bench_levels(url, lines[:args.bench_requests], levels, args.request_timeout),
-                       time.monotonic() - t0)
+        try:
+            _phases(args, run_, proc, port, out, reports, log, lines, tp, say)
+        except KeyboardInterrupt:  # judge what ran: the report keeps it
+            interrupted = True
+            run_.notes.append("interrupted (Ctrl-C) before every phase ran")
+            say("interrupted: judging what ran, then stopping the server")
         time.sleep(evidence_flush_s())
         end = log.stat().st_size  # the shutdown's own lines are not the run's
         run_.final(_counts(reports, log, tp), *evidence.processes(str(reports), _roles(log, tp, end)),
-                   server.read_log(log, end), ready)
+                   server.read_log(log, end), not_run="interrupted" if interrupted else "the server never became ready")
     finally:
         say("stopping the server")
         server.stop(proc)
@@ -171,7 +147,43 @@ def run(args) -> int:
     (out / "report.md").write_text(run_.markdown())
     print(run_.markdown())
     say(f"{'PASSED' if run_.passed else 'FAILED'}: {out / 'report.md'}")
-    return 0 if run_.passed else 1
+    return 130 if interrupted else 0 if run_.passed else 1
+
+
+def _phases(args, run_, proc, port: int, out: Path, reports: Path, log: Path, lines: list, tp: int, say) -> None:
+    """Phases a, b, c and g against the started server; each adds its check to ``run_``."""
+    from drama3_patches.tools.validate import phases, server
+
+    url = f"http://127.0.0.1:{port}"
+    ready, waited, why = server.wait_ready(proc, port, args.start_timeout,
+                                           tick=lambda s: say(f"  still starting ({s:.0f} s)"))
+    run_.startup(ready, waited, why, server.read_log(log))
+    say(f"a. start-up: {'ready' if ready else 'FAILED'} after {waited:.0f} s {why}")
+    if not ready:
+        return
+    say(f"b. {args.clones} voice clones, {args.stagger:g} s apart")
+    clones = phases.send(url, lines[:args.clones], frames=args.clone_frames, seed=1000,
+                         stagger=args.stagger, timeout=args.request_timeout)
+    run_.clones(clones, phases.save_audio(clones, out / "audio", "clone"))
+    say(f"   {clones.completed}/{len(clones.sent)} complete, {clones.overlaps()} overlapping, {clones.wall_s:.0f} s")
+    say(f"c. {args.preempt_requests} requests of {args.preempt_frames} frames into a {args.kv_blocks}-block KV pool")
+    before = _counts(reports, log, tp)
+    # A request is preempted only when it must grow into a new KV block while the pool is full:
+    # prompts near a block's end (PREEMPT_TEXT) that then grow by --preempt-frames.
+    long_ = [dataclasses.replace(line, text=f"{i}: {phases.PREEMPT_TEXT}", prompt_text="a clip")
+             for i, line in enumerate(lines[:args.preempt_requests])]
+    preempted = phases.send(url, long_, frames=args.preempt_frames, seed=2000, stagger=0.0,
+                            timeout=args.request_timeout)
+    after = _counts(reports, log, tp)
+    run_.preemption(preempted, before, after, phases.save_audio(preempted, out / "audio", "preempted"))
+    say(f"   {preempted.completed}/{len(preempted.sent)} complete; preemptions "
+        f"{after['preemptions'] - before['preemptions']}, resumes verified "
+        f"{after['resumes_verified'] - before['resumes_verified']}, {preempted.wall_s:.0f} s")
+    levels = sorted({1, args.bench_concurrency})
+    say(f"g. bench at concurrency {', '.join(map(str, levels))}, {args.bench_requests} requests each")
+    t0 = time.monotonic()
+    run_.bench(phases.bench_levels(url, lines[:args.bench_requests], levels, args.request_timeout),
+               time.monotonic() - t0)
 
 
 def evidence_flush_s() -> float:

@@ -42,11 +42,13 @@ class Run:
     audio: list = field(default_factory=list)
     versions: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    ready: bool = False  # the server answered
 
     # -- phases --------------------------------------------------------------------------------
 
     def startup(self, ready: bool, waited: float, why: str, log: str) -> None:
         captures = len(CAPTURE.findall(log))
+        self.ready = ready
         if not ready:
             self.checks["a"] = Check("a. start-up", False, f"{why} ({waited:.0f} s); see server.log", wall_s=waited)
             return
@@ -104,13 +106,15 @@ class Run:
         detail = "; ".join(parts) + ("; failed: " + "; ".join(failed[:4]) if failed else "")
         self.checks["g"] = Check("g. bench", not failed, detail, wall_s=wall_s)
 
-    def final(self, counts: dict, procs: list, skipped: list, log: str, ready: bool) -> None:
+    def final(self, counts: dict, procs: list, skipped: list, log: str,
+              not_run: str = "the server never became ready") -> None:
         from drama3_patches.tools.validate import evidence
 
         self.counts["tp_steps_checked"] = counts["tp_steps_checked"]
-        for letter, name in (("b", "b. streaming voice clones"), ("c", "c. preemption and resume"), ("g", "g. bench")):
+        for letter, name in (("a", "a. start-up"), ("b", "b. streaming voice clones"), ("c", "c. preemption and resume"),
+                             ("g", "g. bench")):
             if letter not in self.checks:
-                self.checks[letter] = Check(name, False, "not run: the server never became ready")
+                self.checks[letter] = Check(name, False, f"not run: {not_run}")
         drift = "TensorParallelDrift" in log
         if self.tp > 1:
             ok = counts["tp_steps_checked"] > 0 and not drift
@@ -132,7 +136,7 @@ class Run:
         count, shown = evidence.bad_lines(log)
         detail = "no device, collective or traceback line" if not count else \
             f"{count} line(s): " + " | ".join(shown)
-        self.checks["f"] = Check("f. server log", count == 0 and ready, detail if ready else
+        self.checks["f"] = Check("f. server log", count == 0 and self.ready, detail if self.ready else
                                  f"the server did not start; {detail}")
 
     def _served(self, phase) -> None:
