@@ -836,3 +836,52 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
     assert level["audio_throughput"] == 0 and level["median_ttft_ms"] is None and level["mean_ttft_ms"] is None
     assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | - | 0 | 2 |"
     assert "no completed stream" not in r.stdout  # no scorer asked for: the reason is the missing model
+
+
+def test_the_deadline_ends_a_trickling_http10_response(tmp_path):
+    """An HTTP/1.0 server (the response owns the socket once headers are read, so the connection
+    object no longer holds it) that sends an SSE comment every second for 30 s: the request still
+    ends at --timeout 2, with the deadline as its error. The bound is loose on purpose: it only
+    needs to be well under the 30 s the server would go on for."""
+    import http.server
+    import threading
+    import time
+
+    stop = threading.Event()
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for _ in range(30):
+                if stop.is_set():
+                    return
+                try:
+                    self.wfile.write(b": still here\n\n")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(1.0)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "ref.wav").write_bytes(ref_wav(1))
+    line = sb.MetaLine("u", "prompt", str(tmp_path / "ref.wav"), "text")
+    try:
+        start = time.monotonic()
+        res = sb.speak(line, sb.Settings(url=f"http://127.0.0.1:{server.server_address[1]}", timeout=2))
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    assert not res.ok and res.error == "deadline: no complete response within --timeout 2 s"
+    assert 2.0 <= took < 20.0

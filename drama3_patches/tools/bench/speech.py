@@ -236,16 +236,22 @@ def _connection(url: str, timeout: float):
 class Deadline:
     """A request's wall-clock limit: at ``seconds`` after the start the connection's socket is
     shut down, which ends any read in progress, however the server trickles its bytes (a
-    socket timeout alone bounds only the wait for each byte)."""
+    socket timeout alone bounds only the wait for each byte). The socket is kept from connect
+    time: when a response will close the connection (HTTP/1.0, ``Connection: close``),
+    ``http.client`` hands the socket to the response and the connection drops it."""
 
     def __init__(self, conn, seconds: float):
         self.conn, self.seconds, self.expired = conn, seconds, False
+        self.sock = None
         self.timer = threading.Timer(seconds, self._expire)
         self.timer.daemon = True
 
+    def connected(self) -> None:
+        self.sock = self.conn.sock
+
     def _expire(self) -> None:
         self.expired = True
-        sock = getattr(self.conn, "sock", None)
+        sock = self.sock or getattr(self.conn, "sock", None)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -359,6 +365,7 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
     try:
         with deadline:
             conn.connect()  # bounded by the socket timeout; the deadline may pass during it
+            deadline.connected()
             if deadline.expired:
                 raise TimeoutError("deadline passed while connecting")
             conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
