@@ -647,3 +647,28 @@ def test_fish_omni_card_between_tp1_and_tp2_peaks_says_no_then_tp2_ep_fits(fish)
     assert out["smallest_fit"] == [{"tp": 2, "ep": False}, {"tp": 2, "ep": True}]
     rc, text, _ = plan_here(fish, *args, "--tp", "2", "--ep", "-q")
     assert rc == 0 and "verdict: FITS" in text and "smallest that fits: TP 2 (without EP or with EP)" in text
+
+
+def _one_tower_name(suffix):
+    return next(n for n, _, _, _ in fish_tensor_specs() if n.endswith(suffix))
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("lm_head.weight", ()), ("lm_head.weight", (7,)), ("lm_head.weight", (0, 4)),
+    (".attention.wqkv.weight", ()), (".attention.wqkv.weight", (12,)),
+    ("tower_eh", ()), ("tower_eh", (8,)),
+])
+def test_a_weight_that_is_not_a_matrix_is_one_line(tmp_path, name, bad):
+    """A 0-d, 1-d or empty tensor where plan divides by a matrix's rows is bad input (exit 2, one
+    line naming the tensor and its shape), not the bug path (exit 70)."""
+    specs = fish_tensor_specs()
+    if name == "tower_eh":
+        name = next(n for n, _, _, role in specs if role == "tower_eh")
+    elif name.startswith("."):
+        name = _one_tower_name(name)
+    d = tmp_path / "bad"
+    write_fish_checkpoint(d, codec=False)
+    write_safetensors(d / "model.safetensors", [(n, t, bad if n == name else s) for n, t, s, _ in specs])
+    rc, _, err = plan_here(d, "--card", "910b1", "-q")
+    assert (rc, err) == (2, f"drama3-patches plan: model.safetensors: tensor {name!r} has shape {list(bad)}, "
+                            "not a 2-d weight matrix\n")

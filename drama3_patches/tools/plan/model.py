@@ -446,6 +446,13 @@ def _role(ckpt: Checkpoint, name: str) -> str:
                     "(the published model refuses unexpected checkpoint keys)")
 
 
+def _matrix(t: Tensor) -> Tensor:
+    """``t`` when it is a 2-d weight with rows and columns; the sums below divide by its rows."""
+    if len(t.shape) != 2 or 0 in t.shape:
+        raise PlanError(f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}, not a 2-d weight matrix")
+    return t
+
+
 def checkpoint_sums(ckpt: Checkpoint) -> dict:
     """Byte totals of the checkpoint by role (whole model, before sharding)."""
     shape = model_shape(ckpt)
@@ -458,14 +465,14 @@ def checkpoint_sums(ckpt: Checkpoint) -> dict:
         sums["stored_total"] += t.nbytes
         if role == "head":
             # Only the rows the model samples stay on the card (FishOmniForConditionalGeneration).
-            sums["head"] += shape.tower.head_rows * (t.nbytes // t.shape[0])
+            sums["head"] += shape.tower.head_rows * (t.nbytes // _matrix(t).shape[0])
             continue
         if role == "tower":
             sums["tower"] += t.nbytes
             if t.name.endswith(".attention.wqkv.weight"):
                 # Rows [q | gate | k | v]: the query heads follow from the rows and the KV heads.
                 sums["tower_qkv"] += t.nbytes
-                rows = t.shape[0] // shape.tower.head_dim - 2 * shape.tower.num_kv_heads
+                rows = _matrix(t).shape[0] // shape.tower.head_dim - 2 * shape.tower.num_kv_heads
                 sums["tower_heads"] = rows // 2
             elif t.name.endswith(".attention.wo.weight"):
                 sums["tower_o"] += t.nbytes
@@ -474,7 +481,7 @@ def checkpoint_sums(ckpt: Checkpoint) -> dict:
                      if m else None)
             if index and t.name.endswith(".eh_proj.weight"):
                 # The embedding half becomes a per-code table the size of the (emptied) embedding.
-                sums["tower_folded"] += t.nbytes // 2
+                sums["tower_folded"] += _matrix(t).nbytes // 2
             continue
         if role == "backbone":
             sums["dense"] += t.nbytes
