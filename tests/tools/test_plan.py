@@ -672,3 +672,32 @@ def test_a_weight_that_is_not_a_matrix_is_one_line(tmp_path, name, bad):
     rc, _, err = plan_here(d, "--card", "910b1", "-q")
     assert (rc, err) == (2, f"drama3-patches plan: model.safetensors: tensor {name!r} has shape {list(bad)}, "
                             "not a 2-d weight matrix\n")
+
+
+@pytest.mark.parametrize("limit,expect", [
+    ("MAX_CODEC_BYTES", r"codec\.pth: 0\.0 GiB, over the 0\.0 GiB limit for a codec file"),
+    ("MAX_CODEC_PICKLE_BYTES", r"codec\.pth: its pickle is 0\.0 MiB, over the 0\.0 MiB limit for a state dict's "
+                               r"names and shapes"),
+])
+def test_codec_file_and_its_pickle_are_bounded(tmp_path, monkeypatch, limit, expect):
+    """codec.pth over the file limit, or whose pickle (which torch.load reads whole) is over the
+    pickle limit, is one line and exit 2 before torch.load runs (limits lowered to 100 bytes)."""
+    import re
+
+    d = tmp_path / "fish"
+    write_fish_checkpoint(d)
+    monkeypatch.setattr(planner, limit, 100)
+    loads = []
+    monkeypatch.setattr("torch.load", lambda *a, **k: loads.append(a))
+    rc, _, err = plan_here(d, "--card", "910b1", "-q")
+    assert rc == 2 and re.fullmatch(f"drama3-patches plan: {expect}\n", err), err
+    assert loads == []
+
+
+def test_a_codec_file_that_is_not_an_archive_is_one_line(tmp_path):
+    d = tmp_path / "fish"
+    write_fish_checkpoint(d, codec=False)
+    (d / "codec.pth").write_bytes(b"not a zip archive at all")
+    rc, _, err = plan_here(d, "--card", "910b1", "-q")
+    assert rc == 2 and err.startswith("drama3-patches plan: codec.pth: not a torch zip archive: "), err
+    assert err.count("\n") == 1
