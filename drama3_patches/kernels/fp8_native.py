@@ -68,6 +68,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+# Imported here, not inside the build: a fork while another thread is importing them
+# would leave the child waiting on (or crashing in) a half-done import.
+import torch
+
+from drama3_patches.kernels.fp8 import expected_scale_shape, reference_dequant
 from drama3_patches.logger import init_logger
 
 logger = init_logger(__name__)
@@ -622,8 +627,6 @@ def _open_checked(extra_flags: tuple[str, ...] = ()):
 
 def torch_nan_bits() -> int | None:
     """The bfloat16 bits torch's contiguous float32 -> bfloat16 conversion gives NaN (None if not one value)."""
-    import torch
-
     pats = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -1, 0x7FFFFFFF, 0x7FA00000], dtype=torch.int64)
     seen = set()
     for n in (1, 7, 33, 257):
@@ -635,10 +638,6 @@ def torch_nan_bits() -> int | None:
 
 def _self_check(lib, nan_bits: int) -> str | None:
     """Compare with the definition on all codes, scale extremes and both layouts; a reason on mismatch."""
-    import torch
-
-    from drama3_patches.kernels.fp8 import expected_scale_shape, reference_dequant
-
     g = torch.Generator().manual_seed(0)
     for n, k in ((130, 300), (256, 256), (7, 129)):
         codes = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=g)

@@ -337,3 +337,20 @@ def fork_while_another_thread_builds() -> list:
 def test_a_fork_while_another_thread_builds_does_not_deadlock_the_child():
     # exit 3: the child's load() was still waiting for the lock after 20 s
     assert call(fork_while_another_thread_builds, timeout=120) == [0, True]
+
+
+@needs_cc
+def test_a_fork_one_second_into_a_slow_build_does_not_deadlock_the_child(tmp_path):
+    """A fresh interpreter imports only fp8_native, starts load() in a thread with a compiler that
+    sleeps 3 s before compiling, and forks one second later: the child's own load() returns (exit 0,
+    not 3). Before torch was imported at module import, the fork could land inside the build's
+    ``import torch`` and the child waited forever on that module's import lock."""
+    from support.fork_build import fork_one_second_into_a_slow_build
+
+    real = shutil.which(fp8_native._compiler().split()[0])
+    cc = tmp_path / "slow-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) sleep 3 ;; esac\nexec {real} "$@"\n')
+    cc.chmod(0o755)
+    got = call(fork_one_second_into_a_slow_build, env={"CC": str(cc), "DRAMA3_PATCHES_CACHE_DIR": str(tmp_path / "c")},
+               timeout=240)
+    assert got == {"child": 0, "torch_at_import": True, "parent_loaded": True}
