@@ -233,6 +233,19 @@ def _connection(url: str, timeout: float):
     return cls(u.hostname, u.port, timeout=timeout), path + (f"?{u.query}" if u.query else "")
 
 
+_ACTIVE: set = set()  # the deadlines of the requests in flight, for expire_all
+_ACTIVE_LOCK = threading.Lock()
+
+
+def expire_all() -> None:
+    """End every request in flight now (Ctrl-C): each fails with its deadline's error."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    for deadline in active:
+        deadline.timer.cancel()
+        deadline._expire()
+
+
 class Deadline:
     """A request's wall-clock limit: at ``seconds`` after the start the connection's socket is
     shut down, which ends any read in progress, however the server trickles its bytes (a
@@ -259,11 +272,15 @@ class Deadline:
                 pass
 
     def __enter__(self):
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self)
         self.timer.start()
         return self
 
     def __exit__(self, *exc):
         self.timer.cancel()
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(self)
 
     @property
     def error(self) -> str:
@@ -511,8 +528,15 @@ def run_level(lines: list[MetaLine], concurrency: int, s: Settings, warmup: int 
     if progress is not None:
         progress.start()
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         results = list(pool.map(one, lines))
+    except KeyboardInterrupt:
+        # Start no more lines and cut the ones in flight, rather than wait up to --timeout for them.
+        pool.shutdown(wait=False, cancel_futures=True)
+        expire_all()
+        raise
+    pool.shutdown()
     return Level(concurrency, results, time.perf_counter() - t0)
 
 
