@@ -356,6 +356,11 @@ BAD_DEPLOY = {
     "connector_list": ("stages:\n  - stage_id: 0\nconnectors:\n  c: [1]\n",
                        "--deploy {}: connectors.c is a list; it must be a mapping (key: value)"),
     "deep": ("[" * 100_000 + "]" * 100_000, "{}: nested too deep to read"),
+    "ep_filter_int": ("stages:\n  - stage_id: 0\n    enable_ep_weight_filter: 1\n",
+                      "--deploy {}: stage 0 enable_ep_weight_filter is int (1); it must be true or false"),
+    "dac_dtype": ("stages:\n  - stage_id: 0\nconnectors:\n  c:\n    extra:\n      fish_speech_dac_dtype: int8\n",
+                  "--deploy {}: connectors.c.extra.fish_speech_dac_dtype is 'int8', not a dtype the DAC decoder takes"),
+    "no_stage0": ("stages:\n  - stage_id: 1\n", "--deploy {}: no stage 0"),
 }
 
 
@@ -701,3 +706,20 @@ def test_a_codec_file_that_is_not_an_archive_is_one_line(tmp_path):
     rc, _, err = plan_here(d, "--card", "910b1", "-q")
     assert rc == 2 and err.startswith("drama3-patches plan: codec.pth: not a torch zip archive: "), err
     assert err.count("\n") == 1
+
+
+def test_profile_settings_come_from_the_one_deploy_check():
+    """deploy_settings of each built-in profile is check_deploy of its parsed YAML, and holds the
+    values the profile's stage 0 and connectors give (whole numbers as int, the DAC dtype by name)."""
+    import yaml
+
+    from drama3_patches.tools.deploy_config.profiles import PROFILES, profile_text
+    from drama3_patches.tools.plan.inputs import check_deploy
+
+    for name in PROFILES:
+        data = yaml.safe_load(profile_text(name))
+        got = plan_cmd.deploy_settings(name)
+        assert got == check_deploy(data, name)
+        (s0,) = [s for s in data["stages"] if s.get("stage_id") == 0]
+        assert got["tp"] == s0["tensor_parallel_size"] and type(got["tp"]) is int
+        assert got.get("ep", False) == s0.get("enable_expert_parallel", False)
