@@ -130,7 +130,8 @@ def _check_codec_size(path: str, name: str) -> None:
 
     size = os.stat(path).st_size
     if size > MAX_CODEC_BYTES:
-        raise PlanError(f"{name}: {size / GIB:.1f} GiB, over the {MAX_CODEC_BYTES / GIB:.1f} GiB limit for a codec file")
+        raise PlanError(f"{name}: {size / GIB:.1f} GiB, over the {MAX_CODEC_BYTES / GIB:.1f} GiB limit "
+                        "for a codec file")
     try:
         with zipfile.ZipFile(path) as archive:
             pickled = sum(i.file_size for i in archive.infolist() if i.filename.endswith(".pkl"))
