@@ -330,6 +330,7 @@ def fork_while_another_thread_builds() -> list:
 
     from drama3_patches.kernels import fp8_build
     from drama3_patches.kernels import fp8_native as native
+    from support.fork_build import fork_and_load
 
     fp8_build._compiler = lambda: None  # the child's load() then ends at once, if it can take the lock
     holding, release = threading.Event(), threading.Event()
@@ -341,14 +342,9 @@ def fork_while_another_thread_builds() -> list:
 
     threading.Thread(target=builder, daemon=True).start()
     holding.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        done = threading.Event()
-        threading.Thread(target=lambda: (native.load(), done.set()), daemon=True).start()
-        os._exit(0 if done.wait(20) else 3)
-    _, status = os.waitpid(pid, 0)
+    code = fork_and_load(native, 20)
     release.set()
-    return [os.waitstatus_to_exitcode(status), native.load() is None]
+    return [code, native.load() is None]
 
 
 def test_a_fork_while_another_thread_builds_does_not_deadlock_the_child():

@@ -1,5 +1,5 @@
-"""Child-side code for the fork-during-build test: a module that imports nothing heavy, so the
-fresh interpreter that runs it has only what ``fp8_native`` itself imports."""
+"""Child-side code for the fork-during-build tests of the native fp8 kernel. The module imports
+nothing heavy, so a fresh interpreter that runs it has only what ``fp8_native`` itself imports."""
 
 from __future__ import annotations
 
@@ -17,11 +17,18 @@ def fork_one_second_into_a_slow_build() -> dict:
     torch_at_import = "torch" in sys.modules
     threading.Thread(target=native.load, daemon=True).start()
     time.sleep(1.0)
+    return {"child": fork_and_load(native, 60), "torch_at_import": torch_at_import,
+            "parent_loaded": native.load() is not None}
+
+
+def fork_and_load(native, seconds: float) -> int:
+    """Fork; the child calls ``native.load()`` in a thread and exits 0 when it returned within
+    ``seconds``, 3 when not (so a deadlocked child fails the test rather than hangs it). Returns
+    the child's exit code."""
     pid = os.fork()
     if pid == 0:
         done = threading.Event()
         threading.Thread(target=lambda: (native.load(), done.set()), daemon=True).start()
-        os._exit(0 if done.wait(60) else 3)
+        os._exit(0 if done.wait(seconds) else 3)
     _, status = os.waitpid(pid, 0)
-    return {"child": os.waitstatus_to_exitcode(status), "torch_at_import": torch_at_import,
-            "parent_loaded": native.load() is not None}
+    return os.waitstatus_to_exitcode(status)
