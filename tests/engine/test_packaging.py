@@ -56,6 +56,7 @@ def test_wheel_contents(tmp_path):
     assert "drama3_patches.pth" in names  # the wheel root lands in site-packages
     assert "drama3_patches/patches_manifest.yaml" in names
     assert any(n.startswith("drama3_patches/tools/deploy_config/configs/") and n.endswith(".yaml") for n in names)
+    assert "drama3_patches/kernels/fp8_expand.c" in names  # the native fp8 kernel's source, built on first use
     pth = zipfile.ZipFile(wheel).read("drama3_patches.pth").decode()
     assert pth == (ROOT / "drama3_patches.pth").read_text()
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

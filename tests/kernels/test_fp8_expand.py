@@ -10,7 +10,7 @@ from support.tiers import TORCH_ABSENT
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels import fp8 as k8  # noqa: E402
-from drama3_patches.kernels import fp8_native  # noqa: E402
+from drama3_patches.kernels import fp8_build  # noqa: E402
 from support import fake_npu  # noqa: E402
 
 KERNELS = ["native", "torch"]
@@ -19,7 +19,7 @@ KERNELS = ["native", "torch"]
 @pytest.fixture(params=KERNELS)
 def kernel(request):
     """Each kernel in turn; native needs a C compiler (CI and dev hosts have gcc)."""
-    if request.param == "native" and fp8_native._compiler() is None:
+    if request.param == "native" and fp8_build._compiler() is None:
         pytest.skip("no C compiler here: the native fp8 kernel cannot be built")
     return request.param
 

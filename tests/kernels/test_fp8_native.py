@@ -17,9 +17,9 @@ from support.tiers import TORCH_ABSENT
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels import fp8 as k8  # noqa: E402
-from drama3_patches.kernels import fp8_native  # noqa: E402
+from drama3_patches.kernels import fp8_build, fp8_native  # noqa: E402
 
-needs_cc = pytest.mark.skipif(fp8_native._compiler() is None, reason="no C compiler here")
+needs_cc = pytest.mark.skipif(fp8_build._compiler() is None, reason="no C compiler here")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ LEVELS = {2: (), 1: ("-mno-avx2",), 0: ("-mno-avx2", "-mno-sse4.1")}
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the SIMD levels are x86 ones")
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_every_simd_level_is_bit_exact(level):
-    lib = fp8_native._open(fp8_native.build(extra_flags=LEVELS[level]))
+    lib = fp8_native._open(fp8_build.build(extra_flags=LEVELS[level]))
     if lib.d3_fp8_simd_level() != level:
         pytest.skip(f"this CPU/compiler gives level {lib.d3_fp8_simd_level()} for flags {LEVELS[level]}")
     nan_bits = fp8_native.torch_nan_bits()
@@ -73,21 +73,35 @@ def test_workers_are_capped_so_scratch_stays_within_half_an_expert():
 
 
 @needs_cc
+@pytest.mark.parametrize("extra", sorted(set(LEVELS.values()) if platform.machine() in ("x86_64", "AMD64") else {()}))
+def test_the_c_source_compiles_without_warnings(tmp_path, extra):
+    """fp8_expand.c under -Wall -Wextra -Werror, with the build's own flags (each SIMD level on x86)."""
+    import subprocess
+
+    cc = fp8_build._compiler()
+    src = Path(fp8_build.__file__).with_name(fp8_build.SOURCE_NAME)
+    argv = [*cc.split(), *fp8_build._flags(True), *extra, "-Wall", "-Wextra", "-Werror", "-o", str(tmp_path / "k.so"),
+            str(src)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_cc
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
-    first = fp8_native.build(cache_dir=tmp_path)
+    first = fp8_build.build(cache_dir=tmp_path)
     assert first.parent == tmp_path and first.is_file()
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no half-written leftovers
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled again although the library is cached")
 
-    monkeypatch.setattr(fp8_native, "_compile", no_compile)
-    assert fp8_native.build(cache_dir=tmp_path) == first
+    monkeypatch.setattr(fp8_build, "_compile", no_compile)
+    assert fp8_build.build(cache_dir=tmp_path) == first
 
 
 def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, caplog):
     monkeypatch.setattr(fp8_native, "_STATE", {})
-    monkeypatch.setattr(fp8_native, "_compiler", lambda: None)
+    monkeypatch.setattr(fp8_build, "_compiler", lambda: None)
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert fp8_native.available() is False
     assert "no C compiler" in fp8_native.unavailable_reason()
@@ -111,9 +125,10 @@ def test_a_failed_self_check_disables_the_kernel(monkeypatch):
 
 @needs_cc
 def test_a_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
-    monkeypatch.setattr(fp8_native, "SOURCE", fp8_native.SOURCE + "\nthis is not C;\n")
+    bad = fp8_build.source() + "\nthis is not C;\n"
+    monkeypatch.setattr(fp8_build, "source", lambda: bad)
     with pytest.raises(RuntimeError, match="building the fp8 kernel failed.*error"):
-        fp8_native.build(cache_dir=tmp_path)
+        fp8_build.build(cache_dir=tmp_path)
 
 
 def test_kernel_knob(monkeypatch, caplog):
@@ -194,17 +209,18 @@ def test_experts_choose_their_worker_count_unless_it_is_fixed(monkeypatch):
 
 def load_kernel(version_timeout=None) -> dict:
     """Runs in a fresh interpreter: load the kernel as a serving process does."""
+    from drama3_patches.kernels import fp8_build
     from drama3_patches.kernels import fp8_native as native
 
     if version_timeout is not None:
-        native.VERSION_TIMEOUT_S = version_timeout
+        fp8_build.VERSION_TIMEOUT_S = version_timeout
     lib = native.load()
     return {"available": lib is not None, "reason": native.unavailable_reason(), "path": str(native.info()["path"])}
 
 
 def _library_name(scratch) -> str:
     """The cache name this host's build gets (anyone on the host can compute it)."""
-    return fp8_native.build(cache_dir=scratch).name
+    return fp8_build.build(cache_dir=scratch).name
 
 
 def _load_in_child(env: dict, **kw) -> dict:
@@ -263,7 +279,7 @@ def test_a_private_cache_is_created_0700_and_used(tmp_path):
 @needs_cc
 def test_a_truncated_library_is_rebuilt_once(tmp_path):
     cache = tmp_path / "cache"
-    name = fp8_native.build(cache_dir=cache).name
+    name = fp8_build.build(cache_dir=cache).name
     with open(cache / name, "r+b") as f:
         f.truncate(100)
     got = _load_in_child({"DRAMA3_PATCHES_CACHE_DIR": str(cache)})
@@ -312,9 +328,11 @@ def fork_while_another_thread_builds() -> list:
     """Runs in a fresh interpreter: fork while a thread holds the build lock; can the child load?"""
     import threading
 
+    from drama3_patches.kernels import fp8_build
     from drama3_patches.kernels import fp8_native as native
+    from support.fork_build import fork_and_load
 
-    native._compiler = lambda: None  # the child's load() then ends at once, if it can take the lock
+    fp8_build._compiler = lambda: None  # the child's load() then ends at once, if it can take the lock
     holding, release = threading.Event(), threading.Event()
 
     def builder():
@@ -324,16 +342,28 @@ def fork_while_another_thread_builds() -> list:
 
     threading.Thread(target=builder, daemon=True).start()
     holding.wait(10)
-    pid = os.fork()
-    if pid == 0:
-        done = threading.Event()
-        threading.Thread(target=lambda: (native.load(), done.set()), daemon=True).start()
-        os._exit(0 if done.wait(20) else 3)
-    _, status = os.waitpid(pid, 0)
+    code = fork_and_load(native, 20)
     release.set()
-    return [os.waitstatus_to_exitcode(status), native.load() is None]
+    return [code, native.load() is None]
 
 
 def test_a_fork_while_another_thread_builds_does_not_deadlock_the_child():
     # exit 3: the child's load() was still waiting for the lock after 20 s
     assert call(fork_while_another_thread_builds, timeout=120) == [0, True]
+
+
+@needs_cc
+def test_a_fork_one_second_into_a_slow_build_does_not_deadlock_the_child(tmp_path):
+    """A fresh interpreter imports only fp8_native, starts load() in a thread with a compiler that
+    sleeps 3 s before compiling, and forks one second later: the child's own load() returns (exit 0,
+    not 3). Before torch was imported at module import, the fork could land inside the build's
+    ``import torch`` and the child waited forever on that module's import lock."""
+    from support.fork_build import fork_one_second_into_a_slow_build
+
+    real = shutil.which(fp8_build._compiler().split()[0])
+    cc = tmp_path / "slow-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) sleep 3 ;; esac\nexec {real} "$@"\n')
+    cc.chmod(0o755)
+    got = call(fork_one_second_into_a_slow_build, env={"CC": str(cc), "DRAMA3_PATCHES_CACHE_DIR": str(tmp_path / "c")},
+               timeout=240)
+    assert got == {"child": 0, "torch_at_import": True, "parent_loaded": True}

@@ -28,7 +28,7 @@ def load_child(ckpt_dir: str, device: str) -> dict:
     if not has_fish_omni():  # vllm-omni 0.31.0rc1
         return {"skip": FISH_OMNI_ABSENT}
     # Before the simulated npu: with torch.npu present vllm-omni would pick its NPU platform.
-    import vllm_omni.model_executor.models.fish_omni.quantization  # registers "bsgemm-moe"
+    import vllm_omni.model_executor.models.fish_omni.quantization  # noqa: F401 (registers "bsgemm-moe")
 
     # The checkpoint: what Drama 3 publishes for its routed experts (Qwen3.5-MoE names under the
     # language model prefix, float8_e4m3fn weights, float32 weight_scale_inv per 128x128 block;

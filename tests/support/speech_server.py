@@ -106,6 +106,7 @@ class SpeechServer:
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
+        self.trickle_after: int | None = None  # requests after this many trickle, whatever their spec
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -140,6 +141,9 @@ class SpeechServer:
 
             def _speak(self, body):
                 spec = parse_spec(body["input"], body.get("ref_text") or "")
+                with server.lock:
+                    if server.trickle_after is not None and len(server.requests) > server.trickle_after:
+                        spec["mode"] = "trickle"
                 if spec["mode"] == "http500":
                     self._leave()
                     msg = b'{"error": "boom"}'

@@ -836,3 +836,97 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
     assert level["audio_throughput"] == 0 and level["median_ttft_ms"] is None and level["mean_ttft_ms"] is None
     assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | - | 0 | 2 |"
     assert "no completed stream" not in r.stdout  # no scorer asked for: the reason is the missing model
+
+
+def test_the_deadline_ends_a_trickling_http10_response(tmp_path):
+    """An HTTP/1.0 server (the response owns the socket once headers are read, so the connection
+    object no longer holds it) that sends an SSE comment every second for 30 s: the request still
+    ends at --timeout 2, with the deadline as its error. The bound is loose on purpose: it only
+    needs to be well under the 30 s the server would go on for."""
+    import http.server
+    import threading
+    import time
+
+    stop = threading.Event()
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for _ in range(30):
+                if stop.is_set():
+                    return
+                try:
+                    self.wfile.write(b": still here\n\n")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(1.0)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "ref.wav").write_bytes(ref_wav(1))
+    line = sb.MetaLine("u", "prompt", str(tmp_path / "ref.wav"), "text")
+    try:
+        start = time.monotonic()
+        res = sb.speak(line, sb.Settings(url=f"http://127.0.0.1:{server.server_address[1]}", timeout=2))
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    assert not res.ok and res.error == "deadline: no complete response within --timeout 2 s"
+    assert 2.0 <= took < 20.0
+
+
+def test_ctrl_c_keeps_the_completed_levels_and_cuts_the_requests_in_flight(tmp_path):
+    """SIGINT while the second level's request trickles (it would for 30 s): exit 130, the first
+    level's figures are in the table and the JSON with a note saying what was left out, and the
+    request in flight is cut rather than waited for (the bound is loose: far under 30 s)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from support.subproc import child_env
+
+    meta = write_meta(tmp_path, ["audio=0.5"])
+    out = tmp_path / "out.json"
+    with SpeechServer() as server:
+        server.trickle_after = 1
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "drama3_patches.tools", "bench", "--url", server.url, "--meta", str(meta),
+             "--concurrency", "1,2", "--limit", "1", "--warmup", "0", "--json", str(out), "--quiet"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(None, [TESTS]))
+        try:
+            deadline = time.monotonic() + 120
+            while len(server.requests) < 2 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            assert len(server.requests) == 2, proc.communicate(timeout=5)
+            time.sleep(0.3)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    note = "interrupted (Ctrl-C): 1 of 2 concurrency level(s) completed and are kept; [2] not measured"
+    assert f"drama3-patches bench: {note}" in stderr
+    assert HEADER in stdout and stdout.count("\n| 1 |") == 1 and "\n| 2 |" not in stdout
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] == note
+    (level,) = doc["levels"]
+    assert (level["max_concurrency"], level["completed"], level["failed"]) == (1, 1, 0)
+    assert took < 15.0

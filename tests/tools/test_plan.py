@@ -357,6 +357,11 @@ BAD_DEPLOY = {
     "connector_list": ("stages:\n  - stage_id: 0\nconnectors:\n  c: [1]\n",
                        "--deploy {}: connectors.c is a list; it must be a mapping (key: value)"),
     "deep": ("[" * 100_000 + "]" * 100_000, "{}: nested too deep to read"),
+    "ep_filter_int": ("stages:\n  - stage_id: 0\n    enable_ep_weight_filter: 1\n",
+                      "--deploy {}: stage 0 enable_ep_weight_filter is int (1); it must be true or false"),
+    "dac_dtype": ("stages:\n  - stage_id: 0\nconnectors:\n  c:\n    extra:\n      fish_speech_dac_dtype: int8\n",
+                  "--deploy {}: connectors.c.extra.fish_speech_dac_dtype is 'int8', not a dtype the DAC decoder takes"),
+    "no_stage0": ("stages:\n  - stage_id: 1\n", "--deploy {}: no stage 0"),
 }
 
 
@@ -648,3 +653,74 @@ def test_fish_omni_card_between_tp1_and_tp2_peaks_says_no_then_tp2_ep_fits(fish)
     assert out["smallest_fit"] == [{"tp": 2, "ep": False}, {"tp": 2, "ep": True}]
     rc, text, _ = plan_here(fish, *args, "--tp", "2", "--ep", "-q")
     assert rc == 0 and "verdict: FITS" in text and "smallest that fits: TP 2 (without EP or with EP)" in text
+
+
+def _one_tower_name(suffix):
+    return next(n for n, _, _, _ in fish_tensor_specs() if n.endswith(suffix))
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("lm_head.weight", ()), ("lm_head.weight", (7,)), ("lm_head.weight", (0, 4)),
+    (".attention.wqkv.weight", ()), (".attention.wqkv.weight", (12,)),
+    ("tower_eh", ()), ("tower_eh", (8,)),
+])
+def test_a_weight_that_is_not_a_matrix_is_one_line(tmp_path, name, bad):
+    """A 0-d, 1-d or empty tensor where plan divides by a matrix's rows is bad input (exit 2, one
+    line naming the tensor and its shape), not the bug path (exit 70)."""
+    specs = fish_tensor_specs()
+    if name == "tower_eh":
+        name = next(n for n, _, _, role in specs if role == "tower_eh")
+    elif name.startswith("."):
+        name = _one_tower_name(name)
+    d = tmp_path / "bad"
+    write_fish_checkpoint(d, codec=False)
+    write_safetensors(d / "model.safetensors", [(n, t, bad if n == name else s) for n, t, s, _ in specs])
+    rc, _, err = plan_here(d, "--card", "910b1", "-q")
+    assert (rc, err) == (2, f"drama3-patches plan: model.safetensors: tensor {name!r} has shape {list(bad)}, "
+                            "not a 2-d weight matrix\n")
+
+
+@pytest.mark.parametrize("limit,expect", [
+    ("MAX_CODEC_BYTES", r"codec\.pth: 0\.0 GiB, over the 0\.0 GiB limit for a codec file"),
+    ("MAX_CODEC_PICKLE_BYTES", r"codec\.pth: its pickle is 0\.0 MiB, over the 0\.0 MiB limit for a state dict's "
+                               r"names and shapes"),
+])
+def test_codec_file_and_its_pickle_are_bounded(tmp_path, monkeypatch, limit, expect):
+    """codec.pth over the file limit, or whose pickle (which torch.load reads whole) is over the
+    pickle limit, is one line and exit 2 before torch.load runs (limits lowered to 100 bytes)."""
+    import re
+
+    d = tmp_path / "fish"
+    write_fish_checkpoint(d)
+    monkeypatch.setattr(planner, limit, 100)
+    loads = []
+    monkeypatch.setattr("torch.load", lambda *a, **k: loads.append(a))
+    rc, _, err = plan_here(d, "--card", "910b1", "-q")
+    assert rc == 2 and re.fullmatch(f"drama3-patches plan: {expect}\n", err), err
+    assert loads == []
+
+
+def test_a_codec_file_that_is_not_an_archive_is_one_line(tmp_path):
+    d = tmp_path / "fish"
+    write_fish_checkpoint(d, codec=False)
+    (d / "codec.pth").write_bytes(b"not a zip archive at all")
+    rc, _, err = plan_here(d, "--card", "910b1", "-q")
+    assert rc == 2 and err.startswith("drama3-patches plan: codec.pth: not a torch zip archive: "), err
+    assert err.count("\n") == 1
+
+
+def test_profile_settings_come_from_the_one_deploy_check():
+    """deploy_settings of each built-in profile is check_deploy of its parsed YAML, and holds the
+    values the profile's stage 0 and connectors give (whole numbers as int, the DAC dtype by name)."""
+    import yaml
+
+    from drama3_patches.tools.deploy_config.profiles import PROFILES, profile_text
+    from drama3_patches.tools.plan.inputs import check_deploy
+
+    for name in PROFILES:
+        data = yaml.safe_load(profile_text(name))
+        got = plan_cmd.deploy_settings(name)
+        assert got == check_deploy(data, name)
+        (s0,) = [s for s in data["stages"] if s.get("stage_id") == 0]
+        assert got["tp"] == s0["tensor_parallel_size"] and type(got["tp"]) is int
+        assert got.get("ep", False) == s0.get("enable_expert_parallel", False)

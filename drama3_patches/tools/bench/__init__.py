@@ -131,10 +131,37 @@ def _skip_notes(s: dict) -> list[str]:
     return out
 
 
-def run(args) -> int:
+def _measure(args, lines, settings, scorers, notes, results: list) -> None:
+    """Each level in turn, appended to ``results`` once measured and scored (so a Ctrl-C keeps
+    every level that completed)."""
     from drama3_patches.tools.bench import progress
     from drama3_patches.tools.bench import speech as sb
     from drama3_patches.tools.files import printable
+
+    (transcribe, sim_scorer), (wer_note, sim_note) = scorers, notes
+    scoring = transcribe is not None or sim_scorer is not None
+    by_utt = {line.utt: line for line in lines}
+    for c in args.levels:
+        level = sb.run_level(lines, c, settings, warmup=args.warmup,
+                             progress=progress.make(sys.stderr, len(lines), f"concurrency {c}", args.quiet))
+        if scoring and level.ok:
+            sb.score_level(level, by_utt, transcribe, sim_scorer, args.wer_method,
+                           progress=progress.make(sys.stderr, len(level.ok), f"concurrency {c} scoring",
+                                                  args.quiet))
+        level.wer_note = wer_note or ("" if level.wer is not None else "no completed stream to transcribe")
+        level.sim_note = sim_note or ("" if level.sim is not None else "no completed stream to compare")
+        for r in level.results:
+            r.audio = b""  # scored: the samples are not kept across levels
+        s = level.result()
+        for f in s["failures"]:  # the server's words: no control character reaches the terminal
+            print(printable(f"  failed: {f['utt']}: {f['error']}"), file=sys.stderr)
+        for note in _skip_notes(s):
+            print(printable(note), file=sys.stderr)
+        results.append(s)
+
+
+def run(args) -> int:
+    from drama3_patches.tools.bench import speech as sb
 
     error = _check_args(args)
     if error:
@@ -158,29 +185,19 @@ def run(args) -> int:
                            ref_audio=args.ref_audio, keep_audio=scoring)
     log(f"bench: {len(lines)} lines (seed {args.seed}) x concurrency {args.levels}, {args.warmup} warm-up "
         f"request(s) per level, {args.url}")
-    by_utt = {line.utt: line for line in lines}
-    results = []
-    for c in args.levels:
-        level = sb.run_level(lines, c, settings, warmup=args.warmup,
-                             progress=progress.make(sys.stderr, len(lines), f"concurrency {c}", args.quiet))
-        if scoring and level.ok:
-            sb.score_level(level, by_utt, transcribe, sim_scorer, args.wer_method,
-                           progress=progress.make(sys.stderr, len(level.ok), f"concurrency {c} scoring",
-                                                  args.quiet))
-        level.wer_note = wer_note or ("" if level.wer is not None else "no completed stream to transcribe")
-        level.sim_note = sim_note or ("" if level.sim is not None else "no completed stream to compare")
-        for r in level.results:
-            r.audio = b""  # scored: the samples are not kept across levels
-        s = level.result()
-        for f in s["failures"]:  # the server's words: no control character reaches the terminal
-            print(printable(f"  failed: {f['utt']}: {f['error']}"), file=sys.stderr)
-        for note in _skip_notes(s):
-            print(printable(note), file=sys.stderr)
-        results.append(s)
+    results, interrupted = [], None
+    try:
+        _measure(args, lines, settings, (transcribe, sim_scorer), (wer_note, sim_note), results)
+    except KeyboardInterrupt:
+        done = len(results)
+        interrupted = (f"interrupted (Ctrl-C): {done} of {len(args.levels)} concurrency level(s) completed "
+                       "and are kept" + (f"; {args.levels[done:]} not measured" if done < len(args.levels) else ""))
+        print(f"drama3-patches bench: {interrupted}", file=sys.stderr)
 
-    print(sb.table(results, wer_note, sim_note))
-    status = 0 if all(s["failed"] == 0 for s in results) else 1
-    if args.plot:
+    if results:
+        print(sb.table(results, wer_note, sim_note))
+    status = 130 if interrupted else 0 if all(s["failed"] == 0 for s in results) else 1
+    if args.plot and results:
         from drama3_patches.tools.bench import plot
 
         title = f"{len(lines)} lines per level, {args.url}"
@@ -195,7 +212,7 @@ def run(args) -> int:
                "percentiles": list(sb.PERCENTILES),
                "ttft_is": "time to first audio: request sent to the first audio sample bytes (WAV header excluded)",
                "lines": [line.utt for line in lines], "wer_method": args.wer_method, "wer_note": wer_note,
-               "sim_note": sim_note, "levels": results}
+               "sim_note": sim_note, "interrupted": interrupted, "levels": results}
         try:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(doc, fh, indent=2)

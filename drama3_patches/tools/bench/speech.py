@@ -233,19 +233,38 @@ def _connection(url: str, timeout: float):
     return cls(u.hostname, u.port, timeout=timeout), path + (f"?{u.query}" if u.query else "")
 
 
+_ACTIVE: set = set()  # the deadlines of the requests in flight, for expire_all
+_ACTIVE_LOCK = threading.Lock()
+
+
+def expire_all() -> None:
+    """End every request in flight now (Ctrl-C): each fails with its deadline's error."""
+    with _ACTIVE_LOCK:
+        active = list(_ACTIVE)
+    for deadline in active:
+        deadline.timer.cancel()
+        deadline._expire()
+
+
 class Deadline:
     """A request's wall-clock limit: at ``seconds`` after the start the connection's socket is
     shut down, which ends any read in progress, however the server trickles its bytes (a
-    socket timeout alone bounds only the wait for each byte)."""
+    socket timeout alone bounds only the wait for each byte). The socket is kept from connect
+    time: when a response will close the connection (HTTP/1.0, ``Connection: close``),
+    ``http.client`` hands the socket to the response and the connection drops it."""
 
     def __init__(self, conn, seconds: float):
         self.conn, self.seconds, self.expired = conn, seconds, False
+        self.sock = None
         self.timer = threading.Timer(seconds, self._expire)
         self.timer.daemon = True
 
+    def connected(self) -> None:
+        self.sock = self.conn.sock
+
     def _expire(self) -> None:
         self.expired = True
-        sock = getattr(self.conn, "sock", None)
+        sock = self.sock or getattr(self.conn, "sock", None)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -253,11 +272,15 @@ class Deadline:
                 pass
 
     def __enter__(self):
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(self)
         self.timer.start()
         return self
 
     def __exit__(self, *exc):
         self.timer.cancel()
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(self)
 
     @property
     def error(self) -> str:
@@ -359,6 +382,7 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
     try:
         with deadline:
             conn.connect()  # bounded by the socket timeout; the deadline may pass during it
+            deadline.connected()
             if deadline.expired:
                 raise TimeoutError("deadline passed while connecting")
             conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
@@ -504,8 +528,15 @@ def run_level(lines: list[MetaLine], concurrency: int, s: Settings, warmup: int 
     if progress is not None:
         progress.start()
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         results = list(pool.map(one, lines))
+    except KeyboardInterrupt:
+        # Start no more lines and cut the ones in flight, rather than wait up to --timeout for them.
+        pool.shutdown(wait=False, cancel_futures=True)
+        expire_all()
+        raise
+    pool.shutdown()
     return Level(concurrency, results, time.perf_counter() - t0)
 
 

@@ -10,8 +10,6 @@ _DEPLOY_DEFAULTS = {"tp": 1, "ep": False, "max_num_seqs": 64, "max_model_len": 1
                     "gpu_memory_utilization": 0.9, "mamba_ssm_cache_dtype": "auto",
                     "max_num_batched_tokens": 4096, "dac_gpu_memory_utilization": 0.1, "dac_dtype": "float32",
                     "ep_weight_filter": False, "tower_split": True}
-_DAC_DTYPES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
-               "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32", "": "float32"}
 
 
 def register(sub) -> None:
@@ -64,7 +62,8 @@ class DeployError(ValueError):
 
 
 def deploy_settings(name_or_path: str) -> dict:
-    """Plan options from a deploy config: stage 0's, stage 1's memory share, the DAC dtype."""
+    """Plan options from a deploy config (a profile name or a file): stage 0's, stage 1's memory
+    share, the DAC dtype."""
     import os
 
     import yaml
@@ -82,28 +81,7 @@ def deploy_settings(name_or_path: str) -> dict:
                               "nor a file")
     except yaml.YAMLError as exc:
         raise DeployError(f"--deploy {name_or_path}: not valid YAML ({exc})") from None
-    data = check_deploy(data, name_or_path)
-    stages = {s.get("stage_id"): s for s in (data or {}).get("stages") or [] if isinstance(s, dict)}
-    if 0 not in stages:
-        raise DeployError(f"--deploy {name_or_path}: no stage 0")
-    s0, s1 = stages[0], stages.get(1, {})
-    out = {"tp": s0.get("tensor_parallel_size"), "ep": s0.get("enable_expert_parallel"),
-           "max_num_seqs": s0.get("max_num_seqs"), "max_model_len": s0.get("max_model_len"),
-           "gpu_memory_utilization": s0.get("gpu_memory_utilization"),
-           "mamba_ssm_cache_dtype": s0.get("mamba_ssm_cache_dtype"),
-           "max_num_batched_tokens": s0.get("max_num_batched_tokens"),
-           "dac_gpu_memory_utilization": s1.get("gpu_memory_utilization"),
-           "ep_weight_filter": s0.get("enable_ep_weight_filter")}
-    if out["ep_weight_filter"] is not None and not isinstance(out["ep_weight_filter"], bool):
-        raise DeployError(f"--deploy {name_or_path}: stage 0 enable_ep_weight_filter must be true or false")
-    for conn in ((data or {}).get("connectors") or {}).values():
-        raw = ((conn or {}).get("extra") or {}).get("fish_speech_dac_dtype")
-        if raw is not None:
-            if str(raw).strip().lower() not in _DAC_DTYPES:
-                raise DeployError(f"--deploy {name_or_path}: fish_speech_dac_dtype {raw!r} is not a dtype the "
-                                  "DAC decoder takes")
-            out["dac_dtype"] = _DAC_DTYPES[str(raw).strip().lower()]
-    return {k: v for k, v in out.items() if v is not None}
+    return check_deploy(data, name_or_path)  # every check of the file's values is there
 
 
 def _progress(args):

@@ -170,45 +170,65 @@ def check_weight_map(weight_map: dict, path: str) -> None:
             raise _bad(path, f"weight_map[{tensor!r}]", f"is {shard!r}, outside the checkpoint folder")
 
 
-_STAGE0 = (("tensor_parallel_size", "int"), ("max_num_seqs", "int"), ("max_model_len", "int"),
-           ("max_num_batched_tokens", "int"), ("gpu_memory_utilization", "share"),
-           ("enable_expert_parallel", "bool"), ("mamba_ssm_cache_dtype", "cache_dtype"))
+# The deploy keys the plan reads, with their kinds, and the option each one sets.
+_STAGE0 = (("tensor_parallel_size", "int", "tp"), ("max_num_seqs", "int", "max_num_seqs"),
+           ("max_model_len", "int", "max_model_len"), ("max_num_batched_tokens", "int", "max_num_batched_tokens"),
+           ("gpu_memory_utilization", "share", "gpu_memory_utilization"),
+           ("enable_expert_parallel", "bool", "ep"), ("enable_ep_weight_filter", "bool", "ep_weight_filter"),
+           ("mamba_ssm_cache_dtype", "cache_dtype", "mamba_ssm_cache_dtype"))
+_STAGE1 = (("gpu_memory_utilization", "share", "dac_gpu_memory_utilization"),)
 _CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The DAC decoder's dtype names, as the deploy file may spell them.
+_DAC_DTYPES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
+               "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32", "": "float32"}
+
+
+def _stage_setting(value, kind: str, where: str, field: str):
+    if kind == "int":
+        return integer(value, where, field, 1, 1 << 30)
+    if kind == "share":
+        return number(value, where, field, 0.0, 1.0)
+    if kind == "bool" and not isinstance(value, bool):
+        raise _bad(where, field, f"is {_what(value)}; it must be true or false")
+    if kind == "cache_dtype" and value not in _CACHE_DTYPES:
+        raise _bad(where, field, f"is {value!r}; it must be one of {', '.join(_CACHE_DTYPES)}")
+    return value
 
 
 def check_deploy(data, name: str) -> dict:
-    """A deploy config's structure and the stage settings the plan takes from it."""
+    """The plan options a deploy config sets (stage 0's, stage 1's memory share, the DAC dtype),
+    after checking its structure and every value the plan reads; one line on the first fault."""
     where = f"--deploy {name}"
     data = mapping(data, where, "the top level", required=True)
     stages = data.get("stages")
     if stages is not None and not isinstance(stages, list):
         raise _bad(where, "stages", f"is {_what(stages)}; it must be a list of stages")
+    out, seen = {}, set()
     for i, stage in enumerate(stages or []):
         stage = mapping(stage, where, f"stages[{i}]", required=True)
         sid = stage.get("stage_id")
         if sid is not None:
             integer(sid, where, f"stages[{i}].stage_id", 0, 1024)
-        for key, kind in _STAGE0 if sid == 0 else (("gpu_memory_utilization", "share"),) if sid == 1 else ():
-            value, field = stage.get(key), f"stage {sid} {key}"
-            if value is None:
-                continue
-            if kind == "int":
-                integer(value, where, field, 1, 1 << 30)
-            elif kind == "share":
-                number(value, where, field, 0.0, 1.0)
-            elif kind == "bool" and not isinstance(value, bool):
-                raise _bad(where, field, f"is {_what(value)}; it must be true or false")
-            elif kind == "cache_dtype" and value not in _CACHE_DTYPES:
-                raise _bad(where, field, f"is {value!r}; it must be one of {', '.join(_CACHE_DTYPES)}")
+        seen.add(sid)
+        for key, kind, option in _STAGE0 if sid == 0 else _STAGE1 if sid == 1 else ():
+            if stage.get(key) is not None:
+                out[option] = _stage_setting(stage[key], kind, where, f"stage {sid} {key}")
+    if 0 not in seen:
+        raise InputError(f"{where}: no stage 0")
     connectors = mapping(data.get("connectors"), where, "connectors")
     for key, conn in connectors.items():
         conn = mapping(conn, where, f"connectors.{key}")
         extra = mapping(conn.get("extra"), where, f"connectors.{key}.extra")
         dac = extra.get("fish_speech_dac_dtype")
-        if dac is not None and not isinstance(dac, str):
-            raise _bad(where, f"connectors.{key}.extra.fish_speech_dac_dtype", f"is {_what(dac)}; it must be a "
-                                                                               "dtype name")
-    return data
+        if dac is None:
+            continue
+        field = f"connectors.{key}.extra.fish_speech_dac_dtype"
+        if not isinstance(dac, str):
+            raise _bad(where, field, f"is {_what(dac)}; it must be a dtype name")
+        if dac.strip().lower() not in _DAC_DTYPES:
+            raise _bad(where, field, f"is {dac!r}, not a dtype the DAC decoder takes")
+        out["dac_dtype"] = _DAC_DTYPES[dac.strip().lower()]
+    return out
 
 
 def _what(value) -> str:

@@ -55,6 +55,8 @@ CACHE_DTYPE_BYTES = {"auto": None, "float32": 4, "bfloat16": 2, "float16": 2}
 DAC_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 INDEX_FILE = "model.safetensors.index.json"
 CODEC_FILE = "codec.pth"
+MAX_CODEC_BYTES = 16 << 30  # the published DAC codec is under 2 GiB in float32
+MAX_CODEC_PICKLE_BYTES = 64 << 20  # torch.load reads the archive's pickle whole: names and shapes, kilobytes
 
 FISH_OMNI = "fish_omni"
 OMNI_RELEASE = "0.32.0rc1"  # the release whose FishOmniConfig this reads
@@ -121,6 +123,25 @@ def read_tensors(path: str) -> dict[str, Tensor]:
     return tensors
 
 
+def _check_codec_size(path: str, name: str) -> None:
+    """Refuse a codec file, or the pickle in its archive, larger than any DAC codec is: torch.load
+    maps the tensors' data but reads and unpickles the pickle whole."""
+    import zipfile
+
+    size = os.stat(path).st_size
+    if size > MAX_CODEC_BYTES:
+        raise PlanError(f"{name}: {size / GIB:.1f} GiB, over the {MAX_CODEC_BYTES / GIB:.1f} GiB limit "
+                        "for a codec file")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickled = sum(i.file_size for i in archive.infolist() if i.filename.endswith(".pkl"))
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise PlanError(f"{name}: not a torch zip archive: {exc}") from None
+    if pickled > MAX_CODEC_PICKLE_BYTES:
+        raise PlanError(f"{name}: its pickle is {pickled / inputs.MIB:.1f} MiB, over the "
+                        f"{MAX_CODEC_PICKLE_BYTES / inputs.MIB:.1f} MiB limit for a state dict's names and shapes")
+
+
 def read_codec(path: str) -> dict[str, Tensor]:
     """Tensors of the DAC codec's ``codec.pth`` (a torch state dict, maybe under "generator"),
     mapped with ``torch.load(mmap=True)``: the shapes come from the pickle, the data stays on disk."""
@@ -129,6 +150,7 @@ def read_codec(path: str) -> dict[str, Tensor]:
     except ImportError:
         raise PlanError(f"{CODEC_FILE}: reading it needs torch (install the torch the vLLM pair pins)") from None
     name = os.path.basename(path)
+    _check_codec_size(path, name)
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # a torch archive that does not open says why in its own words
@@ -446,6 +468,13 @@ def _role(ckpt: Checkpoint, name: str) -> str:
                     "(the published model refuses unexpected checkpoint keys)")
 
 
+def _matrix(t: Tensor) -> Tensor:
+    """``t`` when it is a 2-d weight with rows and columns; the sums below divide by its rows."""
+    if len(t.shape) != 2 or 0 in t.shape:
+        raise PlanError(f"{t.file}: tensor {t.name!r} has shape {list(t.shape)}, not a 2-d weight matrix")
+    return t
+
+
 def checkpoint_sums(ckpt: Checkpoint) -> dict:
     """Byte totals of the checkpoint by role (whole model, before sharding)."""
     shape = model_shape(ckpt)
@@ -458,14 +487,14 @@ def checkpoint_sums(ckpt: Checkpoint) -> dict:
         sums["stored_total"] += t.nbytes
         if role == "head":
             # Only the rows the model samples stay on the card (FishOmniForConditionalGeneration).
-            sums["head"] += shape.tower.head_rows * (t.nbytes // t.shape[0])
+            sums["head"] += shape.tower.head_rows * (t.nbytes // _matrix(t).shape[0])
             continue
         if role == "tower":
             sums["tower"] += t.nbytes
             if t.name.endswith(".attention.wqkv.weight"):
                 # Rows [q | gate | k | v]: the query heads follow from the rows and the KV heads.
                 sums["tower_qkv"] += t.nbytes
-                rows = t.shape[0] // shape.tower.head_dim - 2 * shape.tower.num_kv_heads
+                rows = _matrix(t).shape[0] // shape.tower.head_dim - 2 * shape.tower.num_kv_heads
                 sums["tower_heads"] = rows // 2
             elif t.name.endswith(".attention.wo.weight"):
                 sums["tower_o"] += t.nbytes
@@ -474,7 +503,7 @@ def checkpoint_sums(ckpt: Checkpoint) -> dict:
                      if m else None)
             if index and t.name.endswith(".eh_proj.weight"):
                 # The embedding half becomes a per-code table the size of the (emptied) embedding.
-                sums["tower_folded"] += t.nbytes // 2
+                sums["tower_folded"] += _matrix(t).nbytes // 2
             continue
         if role == "backbone":
             sums["dense"] += t.nbytes

@@ -1,0 +1,270 @@
+"""Building the native fp8 kernel: the C compiler driver and the trust-checked library cache.
+
+The C source is ``fp8_expand.c`` next to this module (package data); what it computes and how
+it is checked after loading is in :mod:`drama3_patches.kernels.fp8_native`, which loads what
+this module builds.
+
+Environment: ``DRAMA3_PATCHES_CACHE_DIR`` (where the built library is kept; default
+``$XDG_CACHE_HOME/drama3_patches`` or ``~/.cache/drama3_patches``), ``CC`` (the compiler;
+default ``cc``/``gcc``/``clang``).
+
+Trust: the library runs inside the server, often as root, so the cache is used
+only when nobody else could have written it.  The folder (created 0700) must
+belong to this user and be closed to group and others; the library must be a
+regular file of this user, closed to others, opened without following a link
+and loaded through that open descriptor.  A folder that fails (or an explicit
+one that does) is named in a warning and the kernel is built in a fresh private
+temporary folder for this process.  A cached library that does not load is
+rebuilt once; every compiler call has a timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+from drama3_patches.logger import init_logger
+
+logger = init_logger(__name__)
+
+SOURCE_NAME = "fp8_expand.c"
+MAX_SOURCE_BYTES = 1 << 20  # the source is about 12 KiB
+
+# Where the built kernel is cached (README's environment table).
+CACHE_DIR_ENV = "DRAMA3_PATCHES_CACHE_DIR"
+# Generous for a one-second build on a loaded host; a hung compiler must not hang the server.
+COMPILE_TIMEOUT_S = 300
+VERSION_TIMEOUT_S = 30
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+@functools.lru_cache(maxsize=1)
+def source() -> str:
+    """The kernel's C source, shipped next to this module; OSError when the install lacks it."""
+    with open(Path(__file__).with_name(SOURCE_NAME), "rb") as fh:
+        data = fh.read(MAX_SOURCE_BYTES + 1)
+    if len(data) > MAX_SOURCE_BYTES:
+        raise OSError(f"{SOURCE_NAME} is over {MAX_SOURCE_BYTES} bytes: not the kernel's source")
+    return data.decode()
+
+
+class UnsafeCache(OSError):
+    """A cache folder or library another user could have written: never loaded."""
+
+
+def _cache_dir() -> tuple[Path, bool]:
+    """The cache folder, and whether $DRAMA3_PATCHES_CACHE_DIR named it."""
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        return Path(explicit), True
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "drama3_patches", False
+
+
+def _check_private(st: os.stat_result, what: str) -> None:
+    """Refuse what this user does not own or what others may write (UnsafeCache naming which)."""
+    if st.st_uid != os.geteuid():
+        raise UnsafeCache(f"{what} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise UnsafeCache(f"{what} is writable by group or others (mode {st.st_mode & 0o7777:04o})")
+
+
+def _open_private_dir(path: Path) -> int:
+    """An fd of ``path`` (created 0700 when absent) after checking it is private to this user.
+
+    Everything after works relative to this fd, so renaming the path afterwards (by
+    whoever can write its parent) cannot put another folder under us.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path.parent, exist_ok=True)
+        os.mkdir(path, 0o700)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+    try:
+        _check_private(os.fstat(fd), f"cache folder {path}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_library(name: str, dir_fd: int) -> int | None:
+    """An fd of the library ``name`` in the folder, checked; None when absent; UnsafeCache when refused."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link stands there
+        raise UnsafeCache(f"library {name} cannot be opened without following a link: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCache(f"library {name} is not a regular file")
+        _check_private(st, f"library {name}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand.split()[0]):
+            return cand
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not run on another CPU: the cache key includes its features.
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _flags(native: bool) -> list[str]:
+    flags = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
+    if native:
+        flags.append("-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native")
+    return flags
+
+
+def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(argv[:2])} ... did not finish within {timeout:.0f} s") from None
+
+
+def _compile(cc: str, flags: list[str], dir_fd: int, name: str, where: Path) -> subprocess.CompletedProcess:
+    """Compile into a fresh private folder inside ``where``, then rename the library into the folder.
+
+    The rename is atomic: concurrent builders (several ranks) never see half a file.
+    """
+    tmp = tempfile.mkdtemp(prefix=".build-", dir=where)  # 0700, a name nobody could guess
+    try:
+        src = os.path.join(tmp, SOURCE_NAME)
+        with open(src, "w") as f:
+            f.write(source())
+        out = os.path.join(tmp, name)
+        proc = _run([*cc.split(), *flags, "-o", out, src], COMPILE_TIMEOUT_S)
+        if proc.returncode == 0:
+            tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+            try:
+                _check_private(os.fstat(tmp_fd), f"build folder {tmp}")
+                os.replace(name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd)
+            finally:
+                os.close(tmp_fd)
+        return proc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Library:
+    """A checked library: its path (for messages) and an open fd of exactly the file checked."""
+
+    def __init__(self, path: Path, fd: int, temporary: str | None = None):
+        self.path, self.fd, self.temporary = path, fd, temporary
+
+    def load_path(self) -> str:
+        # dlopen() by name would resolve the path again, after the checks, through folders
+        # someone else may be able to rename: /proc/self/fd/N names the very inode checked,
+        # so what is loaded is what was checked (the swap-after-check race is closed).
+        proc = f"/proc/self/fd/{self.fd}"
+        return proc if os.path.exists(proc) else str(self.path)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.temporary:
+            shutil.rmtree(self.temporary, ignore_errors=True)  # a loaded library stays mapped
+
+
+def find_or_build(extra_flags: tuple[str, ...], cache_dir: Path | None, rebuild: bool) -> Library:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    version = _run([*cc.split(), "--version"], VERSION_TIMEOUT_S).stdout
+    explicit = cache_dir is not None
+    if cache_dir is None:
+        cache_dir, explicit = _cache_dir()
+    try:
+        dir_fd = _open_private_dir(cache_dir)
+        try:
+            return _in_folder(cc, version, extra_flags, cache_dir, dir_fd, rebuild)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        # Not ours, open to others, a link or FIFO planted, or not writable (a read-only
+        # home): build where nobody else can write, for this process only, and say why.
+        why = f"{exc}" if isinstance(exc, UnsafeCache) else f"cache folder {cache_dir}: {exc}"
+        how = f"{CACHE_DIR_ENV}={cache_dir} is refused" if explicit else "the kernel cache is not used"
+        logger.warning("fp8 expansion: %s (%s); building in a private temporary folder instead "
+                       "(fix: a folder of this user, mode 700%s)", how, why,
+                       "" if explicit else f", or set {CACHE_DIR_ENV}")
+    temporary = Path(tempfile.mkdtemp(prefix="drama3_patches-"))  # 0700, unpredictable name
+    try:
+        dir_fd = os.open(temporary, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        try:
+            lib = _in_folder(cc, version, extra_flags, temporary, dir_fd, rebuild=False)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    lib.temporary = str(temporary)
+    return lib
+
+
+def _in_folder(cc: str, version: str, extra_flags: tuple[str, ...], folder: Path, dir_fd: int,
+               rebuild: bool) -> Library:
+    """The checked library in a checked folder: found there, or compiled into it."""
+    errors = []
+    for native in (True, False):
+        flags = _flags(native) + list(extra_flags)
+        key = hashlib.sha256("\0".join([source(), cc, version, *flags, platform.machine(),
+                                        _cpu_signature()]).encode()).hexdigest()[:16]
+        name = f"fp8_expand-{key}.so"
+        if rebuild:
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+        fd = _open_library(name, dir_fd)
+        if fd is None:
+            proc = _compile(cc, flags, dir_fd, name, folder)
+            if proc.returncode != 0:
+                errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
+                continue
+            fd = _open_library(name, dir_fd)
+            if fd is None:
+                raise RuntimeError(f"the built library {name} vanished from {folder}")
+        return Library(folder / name, fd)
+    raise RuntimeError("building the fp8 kernel failed: " + " | ".join(errors))
+
+
+def build(extra_flags: tuple[str, ...] = (), cache_dir: Path | None = None, rebuild: bool = False) -> Path:
+    """Compile the kernel (or find it in the cache) and return the checked library's path; raises on failure.
+
+    For tests and tools that load it themselves; :func:`drama3_patches.kernels.fp8_native.load`
+    keeps the checked file open instead.
+    """
+    lib = find_or_build(extra_flags, cache_dir, rebuild)
+    lib.temporary = None  # the caller loads it by path: keep it
+    lib.close()
+    return lib.path
+
+
