@@ -94,32 +94,45 @@ class _Past(Exception):
 
 
 class _Stopper:
-    """Known attributes as given; any other read raises :class:`_Past`."""
+    """Known attributes as given; any other read raises :class:`_Past` naming ``where.name``."""
 
-    def __init__(self, **known):
+    def __init__(self, where: str = "config", **known):
         self.__dict__.update(known)
+        self.__dict__["_where"] = where
 
     def __getattr__(self, name):
-        raise _Past(name)
+        raise _Past(f"{self._where}.{name}")
+
+
+# The first read after the published check: the model path. Any other unknown read means the
+# constructor changed shape, and only the expected stop may count as "past the check".
+EXPECTED_STOP = "model_config.model"
+
+
+def probe_config(tensor_parallel_size=2, pipeline_parallel_size=1, enable_expert_parallel=False):
+    parallel = _Stopper("parallel_config", tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size, enable_expert_parallel=enable_expert_parallel)
+    model = _Stopper("model_config", hf_config=_Stopper("hf_config"))
+    return _Stopper("vllm_config", parallel_config=parallel, model_config=model)
 
 
 def refuses_tp(original) -> bool:
     """Run the constructor on a throwaway instance with tensor_parallel_size=2.
 
-    True when it raises NotImplementedError (the published refusal), False when it goes past
-    the check (it then reads the model path and stops). Anything else propagates: the
-    constructor no longer looks like the one this patch lifts.
+    True when it raises NotImplementedError (the published refusal), False when it stops at
+    :data:`EXPECTED_STOP` (it went past the check). Anything else, another unknown read
+    included, raises LookupError: the constructor no longer looks like the one this patch lifts.
     """
     owner = importlib.import_module(MODEL_MODULE).__dict__[MODEL_CLASS]
     probe = object.__new__(owner)
-    parallel = _Stopper(tensor_parallel_size=2, pipeline_parallel_size=1, enable_expert_parallel=False)
-    vllm_config = _Stopper(parallel_config=parallel, model_config=_Stopper(hf_config=_Stopper()))
     try:
-        original(probe, vllm_config=vllm_config, prefix="")
+        original(probe, vllm_config=probe_config(), prefix="")
     except NotImplementedError:
         return True
-    except _Past:
-        return False
+    except _Past as exc:
+        if str(exc) == EXPECTED_STOP:
+            return False
+        raise LookupError(f"the constructor read {exc} where the probe expected {EXPECTED_STOP}") from None
     raise LookupError("the constructor returned from a probe config it could not have used")
 
 
@@ -140,7 +153,8 @@ def broadcast_codes(codes, group):
     src, first = group.ranks[0], group.rank_in_group == 0
     header = torch.zeros(6, dtype=torch.int64)  # state (0 none, 1 codes, 2 unsendable), dtype, ndim, shape
     if first and codes is not None:
-        if codes.dim() > 3 or codes.dtype not in _DTYPES or codes.numel() > _MAX_CODE_ELEMENTS:
+        # Checked before the header goes out: an error here would leave the other ranks waiting.
+        if not isinstance(codes, torch.Tensor) or codes.dim() > 3 or codes.dtype not in _DTYPES or codes.numel() > _MAX_CODE_ELEMENTS:
             header[0] = 2
         else:
             header[:3] = torch.tensor([1, _DTYPES.index(codes.dtype), codes.dim()])

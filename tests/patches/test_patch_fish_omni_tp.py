@@ -46,8 +46,8 @@ def constructor_child() -> dict:
     out["patched_refuses"] = tp.refuses_tp(init)
     results = {}
     for size, pipeline in ((2, 1), (2, 2), (1, 2)):
-        parallel = tp._Stopper(tensor_parallel_size=size, pipeline_parallel_size=pipeline, enable_expert_parallel=True)
-        config = tp._Stopper(parallel_config=parallel, model_config=tp._Stopper(hf_config=tp._Stopper()))
+        config = tp.probe_config(size, pipeline, enable_expert_parallel=True)
+        parallel = config.parallel_config
         try:
             fm.FishOmniForConditionalGeneration(vllm_config=config)
             results[f"{size}x{pipeline}"] = "built"
@@ -57,6 +57,15 @@ def constructor_child() -> dict:
             results[f"{size}x{pipeline}"] = f"refused: {exc}"
         results[f"{size}x{pipeline} size after"] = parallel.tensor_parallel_size
     out["results"] = results
+
+    def reads_another_field_first(self, *, vllm_config, prefix=""):
+        vllm_config.parallel_config.data_parallel_size  # a read before any parallel check
+        raise NotImplementedError("never reached")
+
+    try:
+        out["other_read"] = tp.refuses_tp(reads_another_field_first)
+    except LookupError as exc:
+        out["other_read"] = f"LookupError: {exc}"
     return out
 
 
@@ -65,9 +74,16 @@ def test_constructor_accepts_tp_and_keeps_pipeline_refusal():
     assert out["state"]["state"] == "applied", out["state"]
     assert out["original_refuses"] is True and out["patched_refuses"] is False
     r = out["results"]
-    assert r["2x1"] == "past the check (stopped reading model)"  # the next line after the check
+    assert r["2x1"] == "past the check (stopped reading model_config.model)"  # the next line after the check
     assert r["2x1 size after"] == 2  # the real size is back once construction stops
     assert r["2x2"] == f"refused: {UPSTREAM_REFUSAL}" and r["1x2"] == f"refused: {UPSTREAM_REFUSAL}"
+
+
+def test_probe_counts_only_the_model_path_as_past_the_check():
+    """A constructor that stops on another unknown field is not taken for one that accepts TP."""
+    out = call(constructor_child, env=_env(), pythonpath=PIL_QWEN2VL_PATH, timeout=900)
+    assert out["other_read"] == ("LookupError: the constructor read parallel_config.data_parallel_size "
+                                 "where the probe expected model_config.model")
 
 
 def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
@@ -75,9 +91,9 @@ def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
     (``device``/``backend``: the sampled frames' device and the group's device backend)."""
     import torch
 
-    from support.vllm_state import tp_group
+    from support.vllm_state import join_tp_group
 
-    rank, _ = tp_group(backend=backend)
+    rank, _ = join_tp_group(backend=backend)
     from vllm_omni.model_executor.models.fish_omni import fish_omni_model as fm
     from vllm_omni.model_executor.models.fish_omni import model_state as ms
 
@@ -90,6 +106,14 @@ def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
     out = {"rank": rank, "states": states,
            "codes": model._reference_codes({"ref_codes": [own]}, torch.device("cpu")).tolist(),
            "none_on_rank0": model._reference_codes({"ref_codes": [own]} if rank else {}, torch.device("cpu"))}
+
+    from drama3_patches.patches import fish_omni_tensor_parallel as tp
+
+    try:  # rank 0's codes are a list, not a tensor: every rank must get the same error, none wait
+        tp.broadcast_codes([[1, 2]] if rank == 0 else own, tp.tp_group())
+        out["list_on_rank0"] = "returned"
+    except ValueError as exc:
+        out["list_on_rank0"] = f"ValueError: {str(exc)[:40]}"
 
     state = object.__new__(ms.FishOmniModelState)
     state.buffers = SimpleNamespace(sampled_frames=torch.arange(33, device=device).reshape(3, 11))
@@ -114,6 +138,7 @@ def test_ranks_take_rank0_codes_and_frame_drift_fails_loudly():
     rank0_codes = [[3 * i + j for j in range(3)] for i in range(4)]
     assert r0["codes"] == r1["codes"] == rank0_codes  # rank 1 had twice these
     assert r0["none_on_rank0"] is None and r1["none_on_rank0"] is None  # rank 0 had none: none
+    assert r0["list_on_rank0"] == r1["list_on_rank0"] == "ValueError: tensor-parallel rank 0's reference code"
     assert r0["first_step"] == r1["first_step"] == {"hidden": [3, 4], "rows": 3}
     for run in (r0, r1):
         assert run["second_step"].startswith("TensorParallelDrift: step 1: ")
