@@ -6,23 +6,21 @@ needs.
 
 Layout: ``build_init`` (the model constructor seen with one reported tensor rank; pipeline
 parallel goes to the original untouched), ``build_codes`` (the request's reference codes taken
-from the group's first rank: :func:`broadcast_codes`), ``build_frames_check`` (with
-``DRAMA3_PATCHES_TP_CHECK=1``, :func:`check_frames_agree` after each step). ``refuses_tp`` is the
-feature detection, run on a throwaway instance with a config that stops it past the check.
-The per-rank arithmetic is in ``drama3_patches.kernels.tensor_parallel``.
+from the group's first rank: :func:`broadcast_codes`). ``refuses_tp`` is the feature detection,
+run on a throwaway instance with a config that stops it past the check. Both targets sit in the
+model module, so one ``plan`` run sees them together. The frames check is its own patch
+(``fish_omni_tp_frames_check``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 
 import torch
 
-from drama3_patches import env
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper, is_proxy
+from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
 
 logger = init_logger(__name__)
 
@@ -30,16 +28,9 @@ MODEL_MODULE = "vllm_omni.model_executor.models.fish_omni.fish_omni_model"
 MODEL_CLASS = "FishOmniForConditionalGeneration"
 INIT = f"{MODEL_MODULE}:{MODEL_CLASS}.__init__"
 CODES = f"{MODEL_MODULE}:{MODEL_CLASS}._reference_codes"
-FRAMES = "vllm_omni.model_executor.models.fish_omni.model_state:FishOmniModelState.postprocess_model_output"
-
-STEP_ATTR = "_drama3_tp_check_step"
 # The codes of one reference: [frames, codebooks], a few thousand frames at most.
 _MAX_CODE_ELEMENTS = 1 << 26
 _DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-class TensorParallelDrift(RuntimeError):
-    """The ranks of one tensor-parallel group sampled different frames."""
 
 
 def tp_group():
@@ -189,69 +180,17 @@ def build_codes(original):
     return function_wrapper(original, reference_codes)
 
 
-def check_frames_agree(frames: torch.Tensor, step: int, group) -> None:
-    """Compare a digest of this step's sampled frames across the group; raise naming the step
-    and the ranks that differ from the first rank."""
-    import torch.distributed as dist
-
-    from drama3_patches.kernels.tensor_parallel import frames_digest
-
-    digest = frames_digest(frames).to("cpu")
-    gathered = [torch.empty_like(digest) for _ in range(group.world_size)]
-    dist.all_gather(gathered, digest, group=group.cpu_group)
-    differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
-    if differ:
-        digests = ", ".join(f"rank {r}: {tuple(int(x) for x in d)}" for r, d in enumerate(gathered))
-        raise TensorParallelDrift(
-            f"step {step}: the sampled frames of tensor-parallel rank(s) {differ} differ from rank 0's "
-            f"({digests}; {env.TP_CHECK}=1). The ranks would now feed different frames back into the "
-            "model: stop the deployment and report it with this line; unset the variable to run unchecked")
-
-
-def build_frames_check(original):
-    signature = inspect.signature(original)
-
-    def postprocess_model_output(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        if not env.tp_check():
-            return result
-        group = tp_group()
-        if group is None:
-            return result
-        step = instance.__dict__.get(STEP_ATTR, 0)
-        instance.__dict__[STEP_ATTR] = step + 1
-        batch = signature.bind(instance, *args, **kwargs).arguments["input_batch"]
-        check_frames_agree(instance.buffers.sampled_frames[:batch.num_reqs], step, group)
-        return result
-
-    return function_wrapper(original, postprocess_model_output)
-
-
 # ----------------------------------------------------------------------------------------------
 # Plan
 # ----------------------------------------------------------------------------------------------
 
 
-BUILDERS = {INIT: build_init, CODES: build_codes, FRAMES: build_frames_check}
+BUILDERS = {INIT: build_init, CODES: build_codes}
 
 
 def plan(ctx: PatchContext) -> dict:
-    init = ctx.original(INIT) if INIT in ctx.targets else None
-    if init is None:
-        # The model state's module alone: its constructor may already be this patch's wrapper
-        # (probe what it wraps). Where the model module cannot import (a host without its
-        # vision dependencies), no model can run either; the frames check, inert unless a TP
-        # group of several ranks exists and DRAMA3_PATCHES_TP_CHECK=1, is installed unprobed.
-        try:
-            init = importlib.import_module(MODEL_MODULE).__dict__[MODEL_CLASS].__dict__["__init__"]
-        except ImportError as exc:
-            ctx.logger.debug("fish-omni-tensor-parallel: %s does not import (%s); frames check unprobed",
-                             MODEL_MODULE, exc)
-            return {target: BUILDERS[target](ctx.original(target)) for target in ctx.targets}
-        while is_proxy(init) and getattr(getattr(init, "_self_wrapper", None), "__module__", None) == __name__:
-            init = init.__wrapped__
     try:
-        needed = refuses_tp(init)
+        needed = refuses_tp(ctx.original(INIT))
     except Exception as exc:
         raise RuntimeError(f"{INIT}: cannot check whether it refuses tensor_parallel_size=2: "
                            f"{type(exc).__name__}: {exc}") from exc

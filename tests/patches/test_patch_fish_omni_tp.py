@@ -4,9 +4,11 @@
   it (the config reports its real size again afterwards, also when construction fails), pipeline
   parallel still meets upstream's message.
 * Rank agreement through the engine-patched methods in a two-process gloo group: the real
-  ``_reference_codes`` (rank 1 given other codes, or none, ends with rank 0's) and the real
-  ``postprocess_model_output`` under ``DRAMA3_PATCHES_TP_CHECK=1`` (equal frames pass; a rank with
-  another frame fails on every rank, naming the step and the rank).
+  ``_reference_codes`` (rank 1 given other codes, or none, ends with rank 0's; rank 0's codes not
+  a tensor: the same error on both ranks) and the real ``postprocess_model_output`` under
+  ``DRAMA3_PATCHES_TP_CHECK=1`` (fish-omni-tp-frames-check: equal frames pass; a rank with
+  another frame fails on every rank, naming the step and the rank; ``tp_steps_checked`` counts
+  the steps compared).
 * The KV layout: vLLM's ``get_kv_cache_configs`` on Drama 3's layer specs
   (``benchmarks/tower_kv_groups.py``): the split tower puts TP2 back at TP1's group count.
 * Expert parallel: vLLM's EP weight filter reads fish_omni's expert count and skips the other
@@ -86,6 +88,52 @@ def test_probe_counts_only_the_model_path_as_past_the_check():
                                  "where the probe expected model_config.model")
 
 
+TWO_MODULE_ENTRY = """\
+patches:
+  - id: fish-omni-tensor-parallel
+    summary: the constructor's and the model state's targets in one patch
+    targets:
+      - vllm_omni.model_executor.models.fish_omni.fish_omni_model:FishOmniForConditionalGeneration.__init__
+      - vllm_omni.model_executor.models.fish_omni.model_state:FishOmniModelState.postprocess_model_output
+    requires: {}
+    platforms: [npu]
+    implementation: support.selftest:fails_in_model_state
+    why: engine test
+    how: engine test
+    upstream: none
+    remove_when: never
+"""
+
+
+def two_module_child() -> dict:
+    """The model module first (its run applies __init__), then the model state (its run fails)."""
+    from vllm_omni.model_executor.models.fish_omni import fish_omni_model as fm
+
+    import drama3_patches
+    from drama3_patches.engine import get_engine
+
+    def ours():
+        return get_engine().is_ours(fm.FishOmniForConditionalGeneration.__dict__["__init__"])
+
+    out = {"patched_after_model": ours() == "fish-omni-tensor-parallel"}
+    from vllm_omni.model_executor.models.fish_omni import model_state  # noqa: F401
+
+    st = drama3_patches.status()["patches"][0]
+    out["patched_after_state"] = ours() is not None
+    out["state"] = st["state"]
+    return out
+
+
+def test_a_failure_in_the_model_state_restores_the_constructor(tmp_path):
+    """All or none across the two real modules: the plan run on model_state fails, so the
+    constructor the model module's run patched is the original again."""
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(TWO_MODULE_ENTRY)
+    out = call(two_module_child, env=_env(DRAMA3_PATCHES_STRICT="0", DRAMA3_PATCHES_MANIFEST=str(manifest)),
+               pythonpath=PIL_QWEN2VL_PATH, timeout=900)
+    assert out == {"patched_after_model": True, "patched_after_state": False, "state": "failed"}
+
+
 def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
     """One rank: the patched _reference_codes and postprocess_model_output, through the engine
     (``device``/``backend``: the sampled frames' device and the group's device backend)."""
@@ -128,13 +176,16 @@ def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
         out["second_step"] = "passed"
     except Exception as exc:
         out["second_step"] = f"{type(exc).__name__}: {exc}"
+    from drama3_patches.engine.state import counters
+
+    out["steps_checked"] = counters().get("tp_steps_checked", 0)
     return out
 
 
 def test_ranks_take_rank0_codes_and_frame_drift_fails_loudly():
     r0, r1 = call_ranks(agreement_child, 2, env=_env(DRAMA3_PATCHES_TP_CHECK="1"), pythonpath=PIL_QWEN2VL_PATH,
                         timeout=900)
-    assert r0["states"]["fish-omni-tensor-parallel"] == "applied"
+    assert r0["states"]["fish-omni-tensor-parallel"] == r0["states"]["fish-omni-tp-frames-check"] == "applied"
     rank0_codes = [[3 * i + j for j in range(3)] for i in range(4)]
     assert r0["codes"] == r1["codes"] == rank0_codes  # rank 1 had twice these
     assert r0["none_on_rank0"] is None and r1["none_on_rank0"] is None  # rank 0 had none: none
@@ -144,11 +195,13 @@ def test_ranks_take_rank0_codes_and_frame_drift_fails_loudly():
         assert run["second_step"].startswith("TensorParallelDrift: step 1: ")
         assert "rank(s) [1] differ from rank 0's" in run["second_step"]
         assert "DRAMA3_PATCHES_TP_CHECK=1" in run["second_step"]
+        assert run["steps_checked"] == 2  # both steps compared (the second one then raised)
 
 
 def test_frames_check_is_off_by_default():
     r0, r1 = call_ranks(agreement_child, 2, env=_env(), pythonpath=PIL_QWEN2VL_PATH, timeout=900)
     assert r0["second_step"] == r1["second_step"] == "passed"  # rank 1's frame differs, unchecked
+    assert r0["steps_checked"] == r1["steps_checked"] == 0
 
 
 def _benchmark():
