@@ -79,12 +79,3 @@ def write_dist(root: Path, name: str, version: str, folder_name: str | None = No
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
-
-def fails_in_model_state(ctx):
-    """fish-omni-tensor-parallel's plan on the model module's targets; a failure on the model
-    state's (a manifest entry holding targets in both modules, for the engine's all-or-none)."""
-    from drama3_patches.patches.fish_omni_tensor_parallel import plan
-
-    if any(".model_state:" in t for t in ctx.targets):
-        raise RuntimeError("failure requested on the model state's targets")
-    return plan(ctx)
