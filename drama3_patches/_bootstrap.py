@@ -7,11 +7,9 @@ front of ``sys.meta_path`` and returns.  The engine itself is imported only
 when a target module is first imported.
 """
 
-from __future__ import annotations
-
 import sys
 
-from drama3_patches import env
+from drama3_patches import env, reader
 
 # What the trigger calls once a target module has executed: a string, so the engine
 # (yaml, packaging, the manifest) is imported only then.
@@ -151,7 +149,7 @@ def activate() -> None:
     if not env.enabled():
         return
     try:
-        modules = scan_target_modules(env.read_manifest_text(env.manifest_path()))
+        modules = scan_target_modules(reader.read_manifest_text(env.manifest_path()))
     except OSError as exc:
         env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply "
                       f"(point {env.MANIFEST} at a readable manifest file, or unset it)")

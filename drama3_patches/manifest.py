@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drama3_patches.env import PLATFORMS, manifest_path, read_manifest_text
+from drama3_patches.env import PLATFORMS, manifest_path
+from drama3_patches.reader import read_manifest_text
 
 IMPLEMENTATION_PREFIX = "drama3_patches.patches."
 TEXT_FIELDS = ("summary", "why", "how", "upstream", "remove_when")
@@ -186,6 +187,6 @@ def load_manifest(path: Path | str | None = None) -> Manifest:
     path = Path(path) if path is not None else Path(manifest_path())
     try:
         text = read_manifest_text(str(path))
-    except OSError as exc:  # env.UnreadableFile: one line naming the path and the problem
+    except OSError as exc:  # reader.UnreadableFile: one line naming the path and the problem
         raise ManifestError(str(exc)) from None
     return parse_manifest(text, path)

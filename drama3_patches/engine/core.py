@@ -49,7 +49,7 @@ class Engine:
     def __init__(self, manifest: Manifest | None = None):
         self._manifest = manifest
         self._manifest_error: Exception | None = None
-        self.forced = False
+        self.forced: set[str] = set()  # ids apply() enabled in this process, whatever the environment says
         self._records: dict[str, PatchRecord] | None = None
         self._installer = Installer()
         self._init_lock = threading.Lock()
@@ -91,20 +91,23 @@ class Engine:
             self._platform = current_platform()
         return self._platform
 
-    def enabled(self) -> bool:
-        return self.forced or env.enabled()
+    def enabled(self, rec: PatchRecord | None = None) -> bool:
+        """The environment enables us, or apply() forced ``rec`` (without ``rec``: forced any)."""
+        if env.enabled():
+            return True
+        return rec.spec.id in self.forced if rec is not None else bool(self.forced)
 
     # -- entry points --------------------------------------------------------
     def activate(self, ids: Iterable[str] | None = None, force: bool = False) -> None:
         """Install import triggers and patch every target already imported."""
-        if force:
-            self.forced = True
         selected = self._select(ids)
         for rec in selected:
             if force:
+                # Only the ids given: forcing the whole engine would let every trigger apply the rest.
+                self.forced.add(rec.spec.id)
                 rec.removed = False
         if self.enabled():
-            install_trigger(m for p in self.manifest.patches for m in p.modules)
+            install_trigger(m for rec in self.records.values() if self.enabled(rec) for m in rec.spec.modules)
         for rec in selected:
             self._evaluate(rec)
 
@@ -180,7 +183,7 @@ class Engine:
     def _guard(self, rec: PatchRecord) -> str | None:
         """Reason to skip, in docs/design.md's order (enabled, disabled, platform, versions), else None."""
         spec = rec.spec
-        if not self.enabled():
+        if not self.enabled(rec):
             return f"{env.ENABLE} is not enabled in this process"
         if rec.removed:
             return "removed by drama3_patches.unapply()"
@@ -309,11 +312,7 @@ class Engine:
         for spec, why in missing.items():
             tr = rec.targets[spec]
             tr.state, tr.reason = FAILED, why
-        names = ", ".join(missing)
-        self._installer.restore(rec.spec.id, [tr for tr in rec.targets.values() if tr.state == APPLIED])
-        for tr in rec.targets.values():
-            if tr.state in (PENDING, SKIPPED):
-                tr.state, tr.reason = FAILED, f"{ALONGSIDE} {names} is missing (a patch applies all or none)"
+        self._withdraw(rec, f"{', '.join(missing)} is missing")
         versions = ", ".join(f"{d} {installed(d)}" for d in rec.spec.requires)
         causes = "; ".join(dict.fromkeys(missing.values()))  # one line per module, not per target
         self._fail(rec, [], TargetAbsent(
@@ -321,11 +320,25 @@ class Engine:
             "so the target moved or the code changed: update the manifest's targets or its version range)"
         ))
 
+    def _withdraw(self, rec: PatchRecord, why: str) -> list[str]:
+        """All or none across modules: restore the targets an earlier run applied, fail the rest alongside."""
+        applied = [tr for tr in rec.targets.values() if tr.state == APPLIED]
+        self._installer.restore(rec.spec.id, applied)
+        for tr in rec.targets.values():
+            if tr.state in (PENDING, SKIPPED):  # restore() leaves the restored ones pending
+                tr.state, tr.reason = FAILED, f"{ALONGSIDE} {why} (a patch applies all or none)"
+        return [tr.target.spec for tr in applied]
+
     def _fail(self, rec: PatchRecord, targets: list[str], exc: BaseException) -> None:
         cause = f"{type(exc).__name__}: {exc}"
         for t in targets:
             tr = rec.targets[t]
             tr.state, tr.reason = FAILED, cause
+        # plan() runs once per target module: a failure in a later run undoes the earlier runs.
+        restored = self._withdraw(rec, f"{rec.spec.id} failed on {', '.join(targets)}") if targets else []
+        if restored:
+            logger.warning("drama3-patches: %s: restored the originals of %s, applied by an earlier run",
+                           rec.spec.id, ", ".join(restored))
         if env.strict():
             raise PatchError(f"drama3-patches: patch {rec.spec.id!r} failed to apply: {cause}") from exc
         logger.warning(

@@ -6,23 +6,21 @@ needs.
 
 Layout: ``build_init`` (the model constructor seen with one reported tensor rank; pipeline
 parallel goes to the original untouched), ``build_codes`` (the request's reference codes taken
-from the group's first rank: :func:`broadcast_codes`), ``build_frames_check`` (with
-``DRAMA3_PATCHES_TP_CHECK=1``, :func:`check_frames_agree` after each step). ``refuses_tp`` is the
-feature detection, run on a throwaway instance with a config that stops it past the check.
-The per-rank arithmetic is in ``drama3_patches.kernels.tensor_parallel``.
+from the group's first rank: :func:`broadcast_codes`). ``refuses_tp`` is the feature detection,
+run on a throwaway instance with a config that stops it past the check. Both targets sit in the
+model module, so one ``plan`` run sees them together. The frames check is its own patch
+(``fish_omni_tp_frames_check``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 
 import torch
 
-from drama3_patches import env
 from drama3_patches.logger import init_logger
-from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper, is_proxy
+from drama3_patches.patchlib import NotNeeded, PatchContext, function_wrapper
 
 logger = init_logger(__name__)
 
@@ -30,16 +28,9 @@ MODEL_MODULE = "vllm_omni.model_executor.models.fish_omni.fish_omni_model"
 MODEL_CLASS = "FishOmniForConditionalGeneration"
 INIT = f"{MODEL_MODULE}:{MODEL_CLASS}.__init__"
 CODES = f"{MODEL_MODULE}:{MODEL_CLASS}._reference_codes"
-FRAMES = "vllm_omni.model_executor.models.fish_omni.model_state:FishOmniModelState.postprocess_model_output"
-
-STEP_ATTR = "_drama3_tp_check_step"
 # The codes of one reference: [frames, codebooks], a few thousand frames at most.
 _MAX_CODE_ELEMENTS = 1 << 26
 _DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-class TensorParallelDrift(RuntimeError):
-    """The ranks of one tensor-parallel group sampled different frames."""
 
 
 def tp_group():
@@ -94,32 +85,45 @@ class _Past(Exception):
 
 
 class _Stopper:
-    """Known attributes as given; any other read raises :class:`_Past`."""
+    """Known attributes as given; any other read raises :class:`_Past` naming ``where.name``."""
 
-    def __init__(self, **known):
+    def __init__(self, where: str = "config", **known):
         self.__dict__.update(known)
+        self.__dict__["_where"] = where
 
     def __getattr__(self, name):
-        raise _Past(name)
+        raise _Past(f"{self._where}.{name}")
+
+
+# The first read after the published check: the model path. Any other unknown read means the
+# constructor changed shape, and only the expected stop may count as "past the check".
+EXPECTED_STOP = "model_config.model"
+
+
+def probe_config(tensor_parallel_size=2, pipeline_parallel_size=1, enable_expert_parallel=False):
+    parallel = _Stopper("parallel_config", tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size, enable_expert_parallel=enable_expert_parallel)
+    model = _Stopper("model_config", hf_config=_Stopper("hf_config"))
+    return _Stopper("vllm_config", parallel_config=parallel, model_config=model)
 
 
 def refuses_tp(original) -> bool:
     """Run the constructor on a throwaway instance with tensor_parallel_size=2.
 
-    True when it raises NotImplementedError (the published refusal), False when it goes past
-    the check (it then reads the model path and stops). Anything else propagates: the
-    constructor no longer looks like the one this patch lifts.
+    True when it raises NotImplementedError (the published refusal), False when it stops at
+    :data:`EXPECTED_STOP` (it went past the check). Anything else, another unknown read
+    included, raises LookupError: the constructor no longer looks like the one this patch lifts.
     """
     owner = importlib.import_module(MODEL_MODULE).__dict__[MODEL_CLASS]
     probe = object.__new__(owner)
-    parallel = _Stopper(tensor_parallel_size=2, pipeline_parallel_size=1, enable_expert_parallel=False)
-    vllm_config = _Stopper(parallel_config=parallel, model_config=_Stopper(hf_config=_Stopper()))
     try:
-        original(probe, vllm_config=vllm_config, prefix="")
+        original(probe, vllm_config=probe_config(), prefix="")
     except NotImplementedError:
         return True
-    except _Past:
-        return False
+    except _Past as exc:
+        if str(exc) == EXPECTED_STOP:
+            return False
+        raise LookupError(f"the constructor read {exc} where the probe expected {EXPECTED_STOP}") from None
     raise LookupError("the constructor returned from a probe config it could not have used")
 
 
@@ -140,7 +144,8 @@ def broadcast_codes(codes, group):
     src, first = group.ranks[0], group.rank_in_group == 0
     header = torch.zeros(6, dtype=torch.int64)  # state (0 none, 1 codes, 2 unsendable), dtype, ndim, shape
     if first and codes is not None:
-        if codes.dim() > 3 or codes.dtype not in _DTYPES or codes.numel() > _MAX_CODE_ELEMENTS:
+        # Checked before the header goes out: an error here would leave the other ranks waiting.
+        if not isinstance(codes, torch.Tensor) or codes.dim() > 3 or codes.dtype not in _DTYPES or codes.numel() > _MAX_CODE_ELEMENTS:
             header[0] = 2
         else:
             header[:3] = torch.tensor([1, _DTYPES.index(codes.dtype), codes.dim()])
@@ -175,74 +180,17 @@ def build_codes(original):
     return function_wrapper(original, reference_codes)
 
 
-def check_frames_agree(frames: torch.Tensor, step: int, group) -> None:
-    """Compare a digest of this step's sampled frames across the group; raise naming the step
-    and the ranks that differ from the first rank."""
-    import torch.distributed as dist
-
-    from drama3_patches.kernels.tensor_parallel import frames_digest
-
-    digest = frames_digest(frames).to("cpu")
-    if env.fault("tp-drift") and group.rank_in_group == group.world_size - 1:
-        digest = digest + 1  # test-only: this rank's frames differ from rank 0's
-    gathered = [torch.empty_like(digest) for _ in range(group.world_size)]
-    dist.all_gather(gathered, digest, group=group.cpu_group)
-    differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
-    if differ:
-        digests = ", ".join(f"rank {r}: {tuple(int(x) for x in d)}" for r, d in enumerate(gathered))
-        raise TensorParallelDrift(
-            f"step {step}: the sampled frames of tensor-parallel rank(s) {differ} differ from rank 0's "
-            f"({digests}; {env.TP_CHECK}=1). The ranks would now feed different frames back into the "
-            "model: stop the deployment and report it with this line; unset the variable to run unchecked")
-    from drama3_patches.engine import state
-
-    state.count("tp_steps_checked")
-
-
-def build_frames_check(original):
-    signature = inspect.signature(original)
-
-    def postprocess_model_output(wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
-        if not env.tp_check():
-            return result
-        group = tp_group()
-        if group is None:
-            return result
-        step = instance.__dict__.get(STEP_ATTR, 0)
-        instance.__dict__[STEP_ATTR] = step + 1
-        batch = signature.bind(instance, *args, **kwargs).arguments["input_batch"]
-        check_frames_agree(instance.buffers.sampled_frames[:batch.num_reqs], step, group)
-        return result
-
-    return function_wrapper(original, postprocess_model_output)
-
-
 # ----------------------------------------------------------------------------------------------
 # Plan
 # ----------------------------------------------------------------------------------------------
 
 
-BUILDERS = {INIT: build_init, CODES: build_codes, FRAMES: build_frames_check}
+BUILDERS = {INIT: build_init, CODES: build_codes}
 
 
 def plan(ctx: PatchContext) -> dict:
-    init = ctx.original(INIT) if INIT in ctx.targets else None
-    if init is None:
-        # The model state's module alone: its constructor may already be this patch's wrapper
-        # (probe what it wraps). Where the model module cannot import (a host without its
-        # vision dependencies), no model can run either; the frames check, inert unless a TP
-        # group of several ranks exists and DRAMA3_PATCHES_TP_CHECK=1, is installed unprobed.
-        try:
-            init = importlib.import_module(MODEL_MODULE).__dict__[MODEL_CLASS].__dict__["__init__"]
-        except ImportError as exc:
-            ctx.logger.debug("fish-omni-tensor-parallel: %s does not import (%s); frames check unprobed",
-                             MODEL_MODULE, exc)
-            return {target: BUILDERS[target](ctx.original(target)) for target in ctx.targets}
-        while is_proxy(init) and getattr(getattr(init, "_self_wrapper", None), "__module__", None) == __name__:
-            init = init.__wrapped__
     try:
-        needed = refuses_tp(init)
+        needed = refuses_tp(ctx.original(INIT))
     except Exception as exc:
         raise RuntimeError(f"{INIT}: cannot check whether it refuses tensor_parallel_size=2: "
                            f"{type(exc).__name__}: {exc}") from exc

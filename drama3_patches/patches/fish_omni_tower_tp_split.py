@@ -29,6 +29,7 @@ from drama3_patches.patchlib import PatchContext, function_wrapper, replace_wher
 logger = init_logger(__name__)
 
 SPLIT_ATTR = "tp_split"  # the HeadSplit of a split layer (absent on a whole one)
+_warned: set[str] = set()  # the head-split refusals already logged in this process
 
 
 class RowParallelOut(torch.nn.Linear):
@@ -37,7 +38,9 @@ class RowParallelOut(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from vllm.distributed import tensor_model_parallel_all_reduce
 
-        return tensor_model_parallel_all_reduce(torch.nn.functional.linear(x, self.weight, self.bias))
+        # The bias is whole on every rank: added once, after the sum, not once per rank.
+        out = tensor_model_parallel_all_reduce(torch.nn.functional.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 def tp_rank_size() -> tuple[int, int]:
@@ -52,7 +55,6 @@ def local_config(config, split: HeadSplit):
     """A shallow copy of the decoder config with the rank's head counts (head size unchanged)."""
     local = copy.copy(config)
     local.n_head, local.n_local_heads = split.num_heads, split.num_kv_heads
-    local.head_dim = config.head_dim
     return local
 
 
@@ -85,7 +87,9 @@ def build(original):
         try:
             split = head_split(config.n_head, config.n_local_heads, size, rank)
         except ValueError as exc:
-            logger.warning("fish-omni-tower-tp-split: %s; this tower layer keeps every head on every rank", exc)
+            if str(exc) not in _warned:  # every layer of the tower has the same heads: one line, not one per layer
+                _warned.add(str(exc))
+                logger.warning("fish-omni-tower-tp-split: %s; the tower's layers keep every head on every rank", exc)
             return wrapped(*args, **kwargs)
         bound.arguments["config"] = local_config(config, split)
         result = wrapped(*bound.args[1:], **bound.kwargs)
@@ -125,7 +129,9 @@ def builds_all_heads(original) -> bool:
     with torch.device("meta"):
         probe_init(layer, config, SimpleNamespace(rotary_dim=2), None, "probe")
     plain = type(layer.qkv_proj) is torch.nn.Linear and type(layer.o_proj) is torch.nn.Linear
-    return plain and layer.attn.num_heads == 4 and layer.qkv_proj.weight.shape[0] == 2 * 8 + 2 * 4
+    # Rows [query | gate | key | value] for all heads: no rank's share taken.
+    rows = 2 * (config.n_head + config.n_local_heads) * config.head_dim
+    return plain and layer.attn.num_heads == config.n_head and layer.qkv_proj.weight.shape[0] == rows
 
 
 def plan(ctx: PatchContext) -> dict:

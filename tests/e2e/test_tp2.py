@@ -27,7 +27,7 @@ from support.subproc import call
 
 pytestmark = pytest.mark.e2e
 
-TP_PATCHES = {"fish-omni-tensor-parallel", "fish-omni-tower-tp-split"}
+TP_PATCHES = {"fish-omni-tensor-parallel", "fish-omni-tp-frames-check", "fish-omni-tower-tp-split"}
 
 
 def _serve_tp2(model, tmp_path):

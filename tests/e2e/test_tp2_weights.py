@@ -95,7 +95,7 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
     import torch
 
     import drama3_patches
-    from support.vllm_state import enter_config, tp1_group, tp_group
+    from support.vllm_state import enter_config, join_tp1_group, join_tp_group
     from vllm_omni.config.resolver import resolve_omni_config
     from vllm_omni.engine.stage_init_utils import build_vllm_config
     from vllm_omni.entrypoints.utils import prepare_stage_config_inputs
@@ -113,10 +113,10 @@ def build_child(model: str, deploy: str, out: str, tp: int) -> dict:
 
     enter_config(vllm_config)
     if tp == 1:
-        tp1_group()
+        join_tp1_group()
         rank = 0
     else:
-        rank, _ = tp_group(tp)
+        rank, _ = join_tp_group(tp)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
 

@@ -206,6 +206,27 @@ def second_module_drifts():
     return out + [d3p_target.greet("b"), first_patch()["state"]]
 
 
+def second_module_fails_in_plan():
+    import d3p_target
+
+    out = [d3p_target.greet("a")]
+    import d3p_second  # noqa: F401
+
+    st = first_patch()
+    return out + [d3p_target.greet("b"), st["state"], st["target_states"]["d3p_target:greet"]["reason"]]
+
+
+def apply_one_id_then_import():
+    import drama3_patches
+
+    drama3_patches.apply(["p1"])
+    import d3p_target
+    import d3p_second
+
+    states = {p["id"]: p["state"] for p in drama3_patches.status()["patches"]}
+    return [d3p_target.greet("x"), d3p_second.other(), states]
+
+
 def nothing_imported():
     st = first_patch()
     return [st["state"], st["reason"]]
@@ -413,6 +434,25 @@ def test_late_drift_restores_targets_already_applied(sandbox):
     write_target(sandbox.root, "d3p_second", "def other():\n    return 'other'\n")
     ctx = sandbox({"targets": [T_GREET, "d3p_second:gone"], "requires": '{d3p-upstream: ">=0.32.0rc1,<0.33"}'})
     assert run(second_module_drifts, ctx) == ["hello a! [patched]", "hello b!", "failed"]
+
+
+def test_plan_failing_in_a_later_module_restores_the_earlier_module(sandbox):
+    """greet, patched when d3p_target was imported, is restored once plan() fails on d3p_second."""
+    write_target(sandbox.root, "d3p_second", "def broken():\n    return 'broken'\n")
+    ctx = sandbox({"targets": [T_GREET, "d3p_second:broken"]})
+    got = run(second_module_fails_in_plan, ctx, with_output=True)
+    greeting_a, greeting_b, state, reason = got["result"]
+    assert (greeting_a, greeting_b, state) == ("hello a! [patched]", "hello b!", "failed")
+    assert reason.startswith("not applied: selftest failed on d3p_second:broken")
+    assert "restored the originals of d3p_target:greet" in got["stderr"]
+
+
+def test_apply_with_ids_applies_only_those_ids(sandbox):
+    """apply(["p1"]) outside DRAMA3_PATCHES: p2's target stays original and p2 is skipped."""
+    write_target(sandbox.root, "d3p_second", "def other():\n    return 'other'\n")
+    ctx = sandbox({"id": "p1", "targets": [T_GREET]}, {"id": "p2", "targets": ["d3p_second:other"]},
+                  DRAMA3_PATCHES="0")
+    assert run(apply_one_id_then_import, ctx) == ["hello x! [patched]", "other", {"p1": "applied", "p2": "skipped"}]
 
 
 def test_pending_until_imported(sandbox):

@@ -21,7 +21,8 @@ CONTRACT_IDS = [
 ]
 # Added for the published fish_omni (its GDN swap is CUDA-only; its tensor-parallel refusal and
 # whole-head tower); beyond the original contract.
-EXTRA_IDS = ["gdn-backbone-ascend", "fish-omni-tensor-parallel", "fish-omni-tower-tp-split"]
+EXTRA_IDS = ["gdn-backbone-ascend", "fish-omni-tensor-parallel", "fish-omni-tp-frames-check",
+             "fish-omni-tower-tp-split"]
 
 
 def test_shipped_manifest_is_valid_and_has_the_contract_ids():
@@ -149,7 +150,7 @@ def test_status_table_and_unimportable_targets(sandbox, tmp_path):
     from drama3_patches.versions import check
 
     applied_here = {"tower-sampler-eager", "preemption-host-copy", "gdn-backbone-ascend", "fish-omni-tensor-parallel",
-                    "fish-omni-tower-tp-split"}
+                    "fish-omni-tp-frames-check", "fish-omni-tower-tp-split"}
     for p in json.loads(proc.stdout)["patches"]:
         unmet = [why for ok, why in (check(d, s) for d, s in load_manifest(SHIPPED).get(p["id"]).requires.items())
                  if not ok]

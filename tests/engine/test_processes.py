@@ -76,7 +76,7 @@ def what_a_patched_process_loaded() -> dict:
 def test_a_serving_process_never_imports_the_tools_and_loads_wrapt_only_at_a_target(ctx):
     got = call(what_a_patched_process_loaded, env=ctx["env"], pythonpath=ctx["pythonpath"])
     # Before any target import: the stdlib-only trigger and nothing heavy.
-    assert got["idle"] == ["drama3_patches", "drama3_patches._bootstrap", "drama3_patches.env"]
+    assert got["idle"] == ["drama3_patches", "drama3_patches._bootstrap", "drama3_patches.env", "drama3_patches.reader"]
     # The target import patched it through the engine (which brought wrapt), and no tool came along.
     assert got["greet"] == "hello x! [patched]" and got["engine"] and got["wrapt"]
     assert got["tools"] == []

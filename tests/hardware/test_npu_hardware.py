@@ -231,7 +231,7 @@ def test_drama3_serves_one_request_with_stage_0_on_v2_and_stage_1_on_v1(tmp_path
     if deploy_stages_tp(DEPLOY) > 1:
         # Stage 0 over two ranks: the model accepted TP, the tower split, the ranks never drifted
         # (the frames check raises TensorParallelDrift on the first differing step).
-        for patch_id in ("fish-omni-tensor-parallel", "fish-omni-tower-tp-split"):
+        for patch_id in ("fish-omni-tensor-parallel", "fish-omni-tp-frames-check", "fish-omni-tower-tp-split"):
             assert "applied" in states[patch_id], (patch_id, states.get(patch_id))
         assert "TensorParallelDrift" not in log["output"] and "differ from rank 0" not in log["output"]
         assert "fish-omni-tensor-parallel: built" in log["output"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import pytest
 
 from support.tiers import TORCH_ABSENT
-from support.vllm_state import stub_attention, tp1_group
+from support.vllm_state import stub_attention, join_tp1_group
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels.qk_norm_rope_gate import qk_norm_rope_gate  # noqa: E402
@@ -168,7 +168,7 @@ def test_qk_norm_rope_gate_matches_real_qwen3next_layer():
                           partial_rotary_factor=0.25, max_position_embeddings=4096, rms_norm_eps=1e-6)
     checked = 0
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        tp1_group()
+        join_tp1_group()
         for dtype in DTYPES:
             torch.set_default_dtype(dtype)
             try:

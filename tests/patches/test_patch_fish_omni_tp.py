@@ -4,9 +4,11 @@
   it (the config reports its real size again afterwards, also when construction fails), pipeline
   parallel still meets upstream's message.
 * Rank agreement through the engine-patched methods in a two-process gloo group: the real
-  ``_reference_codes`` (rank 1 given other codes, or none, ends with rank 0's) and the real
-  ``postprocess_model_output`` under ``DRAMA3_PATCHES_TP_CHECK=1`` (equal frames pass; a rank with
-  another frame fails on every rank, naming the step and the rank).
+  ``_reference_codes`` (rank 1 given other codes, or none, ends with rank 0's; rank 0's codes not
+  a tensor: the same error on both ranks) and the real ``postprocess_model_output`` under
+  ``DRAMA3_PATCHES_TP_CHECK=1`` (fish-omni-tp-frames-check: equal frames pass; a rank with
+  another frame fails on every rank, naming the step and the rank; ``tp_steps_checked`` counts
+  the steps compared).
 * The KV layout: vLLM's ``get_kv_cache_configs`` on Drama 3's layer specs
   (``benchmarks/tower_kv_groups.py``): the split tower puts TP2 back at TP1's group count.
 * Expert parallel: vLLM's EP weight filter reads fish_omni's expert count and skips the other
@@ -46,8 +48,8 @@ def constructor_child() -> dict:
     out["patched_refuses"] = tp.refuses_tp(init)
     results = {}
     for size, pipeline in ((2, 1), (2, 2), (1, 2)):
-        parallel = tp._Stopper(tensor_parallel_size=size, pipeline_parallel_size=pipeline, enable_expert_parallel=True)
-        config = tp._Stopper(parallel_config=parallel, model_config=tp._Stopper(hf_config=tp._Stopper()))
+        config = tp.probe_config(size, pipeline, enable_expert_parallel=True)
+        parallel = config.parallel_config
         try:
             fm.FishOmniForConditionalGeneration(vllm_config=config)
             results[f"{size}x{pipeline}"] = "built"
@@ -57,6 +59,15 @@ def constructor_child() -> dict:
             results[f"{size}x{pipeline}"] = f"refused: {exc}"
         results[f"{size}x{pipeline} size after"] = parallel.tensor_parallel_size
     out["results"] = results
+
+    def reads_another_field_first(self, *, vllm_config, prefix=""):
+        vllm_config.parallel_config.data_parallel_size  # a read before any parallel check
+        raise NotImplementedError("never reached")
+
+    try:
+        out["other_read"] = tp.refuses_tp(reads_another_field_first)
+    except LookupError as exc:
+        out["other_read"] = f"LookupError: {exc}"
     return out
 
 
@@ -65,9 +76,64 @@ def test_constructor_accepts_tp_and_keeps_pipeline_refusal():
     assert out["state"]["state"] == "applied", out["state"]
     assert out["original_refuses"] is True and out["patched_refuses"] is False
     r = out["results"]
-    assert r["2x1"] == "past the check (stopped reading model)"  # the next line after the check
+    assert r["2x1"] == "past the check (stopped reading model_config.model)"  # the next line after the check
     assert r["2x1 size after"] == 2  # the real size is back once construction stops
     assert r["2x2"] == f"refused: {UPSTREAM_REFUSAL}" and r["1x2"] == f"refused: {UPSTREAM_REFUSAL}"
+
+
+def test_probe_counts_only_the_model_path_as_past_the_check():
+    """A constructor that stops on another unknown field is not taken for one that accepts TP."""
+    out = call(constructor_child, env=_env(), pythonpath=PIL_QWEN2VL_PATH, timeout=900)
+    assert out["other_read"] == ("LookupError: the constructor read parallel_config.data_parallel_size "
+                                 "where the probe expected model_config.model")
+
+
+TWO_MODULE_ENTRY = """\
+patches:
+  - id: fish-omni-tensor-parallel
+    summary: the constructor's and the model state's targets in one patch
+    targets:
+      - vllm_omni.model_executor.models.fish_omni.fish_omni_model:FishOmniForConditionalGeneration.__init__
+      - vllm_omni.model_executor.models.fish_omni.model_state:FishOmniModelState.postprocess_model_output
+    requires: {}
+    platforms: [npu]
+    implementation: drama3_patches.patches.fish_omni_tensor_parallel:plan
+    why: engine test
+    how: engine test
+    upstream: none
+    remove_when: never
+"""
+
+
+def two_module_child() -> dict:
+    """The model module first (its run applies __init__), then the model state: the shipped plan
+    handles the model module's targets only, so its run on the state's target fails."""
+    from vllm_omni.model_executor.models.fish_omni import fish_omni_model as fm
+
+    import drama3_patches
+    from drama3_patches.engine import get_engine
+
+    def ours():
+        return get_engine().is_ours(fm.FishOmniForConditionalGeneration.__dict__["__init__"])
+
+    out = {"patched_after_model": ours() == "fish-omni-tensor-parallel"}
+    from vllm_omni.model_executor.models.fish_omni import model_state  # noqa: F401
+
+    st = drama3_patches.status()["patches"][0]
+    out["patched_after_state"] = ours() is not None
+    out["state"] = st["state"]
+    return out
+
+
+def test_a_failure_in_the_model_state_restores_the_constructor(tmp_path):
+    """All or none across the two real modules: the plan run on model_state fails, so the
+    constructor the model module's run patched is the original again."""
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(TWO_MODULE_ENTRY)
+    out = call(two_module_child, env=_env(DRAMA3_PATCHES_STRICT="0", DRAMA3_PATCHES_MANIFEST=str(manifest)),
+               pythonpath=PIL_QWEN2VL_PATH, timeout=900)
+    assert out == {"patched_after_model": True, "patched_after_state": False, "state": "failed"}
+    # (Before the engine restored earlier runs: {"patched_after_state": True} with "failed".)
 
 
 def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
@@ -75,9 +141,9 @@ def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
     (``device``/``backend``: the sampled frames' device and the group's device backend)."""
     import torch
 
-    from support.vllm_state import tp_group
+    from support.vllm_state import join_tp_group
 
-    rank, _ = tp_group(backend=backend)
+    rank, _ = join_tp_group(backend=backend)
     from vllm_omni.model_executor.models.fish_omni import fish_omni_model as fm
     from vllm_omni.model_executor.models.fish_omni import model_state as ms
 
@@ -90,6 +156,14 @@ def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
     out = {"rank": rank, "states": states,
            "codes": model._reference_codes({"ref_codes": [own]}, torch.device("cpu")).tolist(),
            "none_on_rank0": model._reference_codes({"ref_codes": [own]} if rank else {}, torch.device("cpu"))}
+
+    from drama3_patches.patches import fish_omni_tensor_parallel as tp
+
+    try:  # rank 0's codes are a list, not a tensor: every rank must get the same error, none wait
+        tp.broadcast_codes([[1, 2]] if rank == 0 else own, tp.tp_group())
+        out["list_on_rank0"] = "returned"
+    except ValueError as exc:
+        out["list_on_rank0"] = f"ValueError: {exc}"
 
     state = object.__new__(ms.FishOmniModelState)
     state.buffers = SimpleNamespace(sampled_frames=torch.arange(33, device=device).reshape(3, 11))
@@ -104,26 +178,33 @@ def agreement_child(device: str = "cpu", backend: str = "gloo") -> dict:
         out["second_step"] = "passed"
     except Exception as exc:
         out["second_step"] = f"{type(exc).__name__}: {exc}"
+    from drama3_patches.engine.state import counters
+
+    out["steps_checked"] = counters().get("tp_steps_checked", 0)
     return out
 
 
 def test_ranks_take_rank0_codes_and_frame_drift_fails_loudly():
     r0, r1 = call_ranks(agreement_child, 2, env=_env(DRAMA3_PATCHES_TP_CHECK="1"), pythonpath=PIL_QWEN2VL_PATH,
                         timeout=900)
-    assert r0["states"]["fish-omni-tensor-parallel"] == "applied"
+    assert r0["states"]["fish-omni-tensor-parallel"] == r0["states"]["fish-omni-tp-frames-check"] == "applied"
     rank0_codes = [[3 * i + j for j in range(3)] for i in range(4)]
     assert r0["codes"] == r1["codes"] == rank0_codes  # rank 1 had twice these
     assert r0["none_on_rank0"] is None and r1["none_on_rank0"] is None  # rank 0 had none: none
+    assert r0["list_on_rank0"] == r1["list_on_rank0"]
+    assert r0["list_on_rank0"].startswith("ValueError: tensor-parallel rank 0's reference codes are not a tensor")
     assert r0["first_step"] == r1["first_step"] == {"hidden": [3, 4], "rows": 3}
     for run in (r0, r1):
         assert run["second_step"].startswith("TensorParallelDrift: step 1: ")
         assert "rank(s) [1] differ from rank 0's" in run["second_step"]
         assert "DRAMA3_PATCHES_TP_CHECK=1" in run["second_step"]
+        assert run["steps_checked"] == 2  # both steps compared (the second one then raised)
 
 
 def test_frames_check_is_off_by_default():
     r0, r1 = call_ranks(agreement_child, 2, env=_env(), pythonpath=PIL_QWEN2VL_PATH, timeout=900)
     assert r0["second_step"] == r1["second_step"] == "passed"  # rank 1's frame differs, unchecked
+    assert r0["steps_checked"] == r1["steps_checked"] == 0
 
 
 def _benchmark():

@@ -56,7 +56,7 @@ def tower_child(layout: str, halves: bool = False, device: str = "cpu", backend:
 
     import torch
 
-    from support.vllm_state import enter_config, sdpa_attention, tp_group
+    from support.vllm_state import enter_config, join_tp_group, sdpa_attention
 
     if device != "cpu":
         torch.npu.set_device(int(os.environ["DRAMA3_TEST_RANK"]))
@@ -66,7 +66,7 @@ def tower_child(layout: str, halves: bool = False, device: str = "cpu", backend:
 
     enter_config(VllmConfig(device_config=DeviceConfig(device="cpu"),
                             compilation_config=CompilationConfig(mode=CompilationMode.NONE, custom_ops=["none"])))
-    rank, world = tp_group(backend=backend)
+    rank, world = join_tp_group(backend=backend)
     from vllm_omni.model_executor.models.fish_omni import codebook_tower as ct
     from vllm_omni.model_executor.models.fish_omni.configuration_fish_omni import FishOmniAudioDecoderConfig
     from vllm_omni.model_executor.models.fish_omni.sampling import FusedFrameSampler

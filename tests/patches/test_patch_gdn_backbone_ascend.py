@@ -23,7 +23,7 @@ import pytest
 
 from support.logs import captured
 from support.replicas import apply_on_npu, needs_fish_omni
-from support.vllm_state import tp1_group
+from support.vllm_state import join_tp1_group
 from support.tiers import TORCH_ABSENT
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
@@ -64,7 +64,7 @@ def _boot(tmp_path):
     vllm_config = VllmConfig(model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True,
                                                       dtype="float32", max_model_len=64))
     with set_current_vllm_config(vllm_config):
-        tp1_group()
+        join_tp1_group()
     return vllm_config, vllm_config.model_config.hf_text_config
 
 

@@ -17,7 +17,7 @@ from support.logs import captured
 from support.replicas import ASCEND_HOST_ENV, ASCEND_MAIN, prepend_profiles
 from support.subproc import call
 from support.tiers import TORCH_ABSENT
-from support.vllm_state import enter_config, stub_attention, tp1_group
+from support.vllm_state import enter_config, stub_attention, join_tp1_group
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from support import fake_npu  # noqa: E402  (imports torch)
@@ -42,7 +42,7 @@ def _boot(enabled: str, platform: str, device: str = "cpu") -> SimpleNamespace:
 
     stub_attention(qn)
     enter_config(VllmConfig(device_config=DeviceConfig(device=device)))
-    tp1_group()
+    join_tp1_group()
     return SimpleNamespace(d3p=drama3_patches, qn=qn, cfg=Qwen3NextConfig(**SMALL))
 
 

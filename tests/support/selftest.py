@@ -78,3 +78,4 @@ def write_dist(root: Path, name: str, version: str, folder_name: str | None = No
     folder = root / f"{folder_name or name.replace('-', '_')}-{version}.dist-info"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+

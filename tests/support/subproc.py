@@ -108,7 +108,7 @@ def call_ranks(func, world_size: int, *args, env: dict | None = None, pythonpath
     """``func(*args)`` in ``world_size`` fresh interpreters at once, one per rank of a process
     group; returns their results by rank. Each child finds its rank, the world size and a shared
     ``file://`` rendezvous in ``DRAMA3_TEST_RANK``, ``DRAMA3_TEST_WORLD`` and ``DRAMA3_TEST_INIT``
-    (``support.vllm_state.tp_group`` reads them). A child that fails fails the caller with its
+    (``support.vllm_state.join_tp_group`` reads them). A child that fails fails the caller with its
     streams; the others are stopped."""
     import tempfile
 

@@ -18,7 +18,7 @@ def enter_config(vllm_config=None):
     return vllm_config
 
 
-def tp1_group() -> None:
+def join_tp1_group() -> None:
     """A single-process gloo group with TP = PP = 1, inside a current config (what a worker sets up
     before it builds the model)."""
     import tempfile
@@ -30,7 +30,7 @@ def tp1_group() -> None:
     initialize_model_parallel(1, 1)
 
 
-def tp_group(tp_size: int | None = None, backend: str = "gloo") -> tuple[int, int]:
+def join_tp_group(tp_size: int | None = None, backend: str = "gloo") -> tuple[int, int]:
     """This process's place in a gloo group started by ``support.subproc.call_ranks`` (its
     variables), with vLLM's model parallel state at TP = ``tp_size`` (default: the whole world),
     PP = 1, inside a current config (a CPU one unless one was entered). ``backend``: the device
