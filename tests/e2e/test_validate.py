@@ -66,7 +66,7 @@ def test_validate_at_tp2_reports_each_role_and_the_stage0_ranks_patches(tp2):
         worker = roles[f"worker stage 0 rank {rank}"]
         applied = {i for i, s in worker["states"].items() if s == "applied"}
         assert {"tower-sampler-eager", "preemption-host-copy", "gdn-backbone-ascend", "fish-omni-tensor-parallel",
-                "fish-omni-tower-tp-split"} <= applied, (rank, worker["states"])
+                "fish-omni-tower-tp-split", "fish-omni-tp-frames-check"} <= applied, (rank, worker["states"])
         # both ranks compared the same steps
         assert worker["counts"]["tp_steps_checked"] == report["counts"]["tp_steps_checked"], worker
     assert not [p for p in report["processes"] if "failed" in p["states"].values()]

@@ -15,7 +15,7 @@ COUNTERS = ("preemptions", "resumes", "resumes_verified", "tp_steps_checked")
 # Applied in every stage-0 worker of an Ascend deployment (and of the CPU rehearsal, whose
 # platform is forced to npu); the tensor-parallel pair too where stage 0 spans ranks.
 STAGE0_PATCHES = ("tower-sampler-eager", "preemption-host-copy", "gdn-backbone-ascend")
-TP_PATCHES = ("fish-omni-tensor-parallel", "fish-omni-tower-tp-split")
+TP_PATCHES = ("fish-omni-tensor-parallel", "fish-omni-tower-tp-split", "fish-omni-tp-frames-check")
 
 # A line of the server's log that no healthy run prints: (what, pattern). The first two count
 # wherever they appear; the others only outside INFO / WARNING / DEBUG records, whose advice
