@@ -145,7 +145,8 @@ def broadcast_codes(codes, group):
     header = torch.zeros(6, dtype=torch.int64)  # state (0 none, 1 codes, 2 unsendable), dtype, ndim, shape
     if first and codes is not None:
         # Checked before the header goes out: an error here would leave the other ranks waiting.
-        if not isinstance(codes, torch.Tensor) or codes.dim() > 3 or codes.dtype not in _DTYPES or codes.numel() > _MAX_CODE_ELEMENTS:
+        if (not isinstance(codes, torch.Tensor) or codes.dim() > 3 or codes.dtype not in _DTYPES
+                or codes.numel() > _MAX_CODE_ELEMENTS):
             header[0] = 2
         else:
             header[:3] = torch.tensor([1, _DTYPES.index(codes.dtype), codes.dim()])

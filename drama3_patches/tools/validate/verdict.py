@@ -111,8 +111,8 @@ class Run:
         from drama3_patches.tools.validate import evidence
 
         self.counts["tp_steps_checked"] = counts["tp_steps_checked"]
-        for letter, name in (("a", "a. start-up"), ("b", "b. streaming voice clones"), ("c", "c. preemption and resume"),
-                             ("g", "g. bench")):
+        for letter, name in (("a", "a. start-up"), ("b", "b. streaming voice clones"),
+                             ("c", "c. preemption and resume"), ("g", "g. bench")):
             if letter not in self.checks:
                 self.checks[letter] = Check(name, False, f"not run: {not_run}")
         drift = "TensorParallelDrift" in log
@@ -177,7 +177,8 @@ class Run:
             wall = "" if c.wall_s is None else f"{c.wall_s:.0f}"
             head.append(f"| {c.name} | {result} | {c.detail.replace('|', '/')} | {wall} |")
         n = self.counts
-        head += ["", "| requests completed | voice clones | preemptions (c) | resumes verified (c) | TP steps checked |",
+        head += ["",
+                 "| requests completed | voice clones | preemptions (c) | resumes verified (c) | TP steps checked |",
                  "| --- | --- | --- | --- | --- |",
                  f"| {n['requests_completed']} | {n['voice_clones_completed']} | {n['preemptions']} | "
                  f"{n['resumes_verified']} | {n['tp_steps_checked']} |"]
