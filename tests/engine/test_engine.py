@@ -13,6 +13,7 @@ import os
 import pytest
 
 from support.selftest import write_dist, write_manifest, write_target
+from drama3_patches.engine.state import host_label
 from support.subproc import ChildFailed, call, run_cli
 
 T_GREET = "d3p_target:greet"
@@ -426,12 +427,13 @@ def test_thread_safety_concurrent_imports_and_applies(sandbox):
 def test_report_dir_written_on_change(sandbox):
     reports = sandbox.root / "reports"
     pid, argv = run(pid_and_argv, sandbox(DRAMA3_PATCHES_REPORT_DIR=str(reports)))
-    data = json.loads((reports / f"{pid}.json").read_text())
+    data = json.loads((reports / f"{host_label()}-{pid}.json").read_text())
+    assert data["host"] == host_label()
     assert data["patches"][0]["id"] == "selftest"
     assert data["patches"][0]["state"] == "applied"
     # The program name stays; every argument value is redacted (a command line can carry an API key).
     assert data["argv"] == [os.path.basename(argv[0])] + ["*"] * (len(argv) - 1)
-    assert (reports / f"{pid}.json").stat().st_mode & 0o777 == 0o600
+    assert (reports / f"{host_label()}-{pid}.json").stat().st_mode & 0o777 == 0o600
     assert reports.stat().st_mode & 0o777 == 0o700
     # Without the variable nothing is written.
     before = sorted(reports.iterdir())
