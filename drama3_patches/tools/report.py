@@ -43,11 +43,12 @@ def format_bytes(n: float, width: int = 8) -> str:
 
 
 def check_lines(checks) -> list[str]:
-    """``[ok]`` / ``[FAIL]`` lines of objects with ``ok``, ``name``, ``detail``, ``fix``; a fix under
-    its failure."""
+    """``[ok]`` / ``[FAIL]`` / ``[warn]`` lines of objects with ``ok``, ``name``, ``detail``, ``fix``
+    (and optionally ``warning``); a fix under its failure."""
     out = []
     for c in checks:
-        out.append(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+        mark = "ok" if c.ok else "warn" if getattr(c, "warning", False) else "FAIL"
+        out.append(f"  [{mark}] {c.name}: {c.detail}")
         if not c.ok and c.fix:
             out.append(f"         fix: {c.fix}")
     return out
