@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from support.subproc import ROOT, TESTS, call
+from support.subproc import ROOT, call
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
