@@ -13,7 +13,6 @@ import os
 import pytest
 
 from support.selftest import write_dist, write_manifest, write_target
-from drama3_patches.engine.state import host_label
 from support.subproc import ChildFailed, call, run_cli
 
 T_GREET = "d3p_target:greet"
@@ -427,6 +426,9 @@ def test_thread_safety_concurrent_imports_and_applies(sandbox):
 def test_report_dir_written_on_change(sandbox):
     reports = sandbox.root / "reports"
     pid, argv = run(pid_and_argv, sandbox(DRAMA3_PATCHES_REPORT_DIR=str(reports)))
+    # Imported here: children load this module, and some must not load the engine.
+    from drama3_patches.engine.state import host_label
+
     data = json.loads((reports / f"{host_label()}-{pid}.json").read_text())
     assert data["host"] == host_label()
     assert data["patches"][0]["id"] == "selftest"
