@@ -1,7 +1,7 @@
 """State and report: what each patch and target is, and the files and dicts that say so.
 
 This room keeps the records, derives a patch's state from its targets' states,
-builds the ``status --json`` dict and writes ``$DRAMA3_PATCHES_REPORT_DIR/<pid>.json``.
+builds the ``status --json`` dict and writes ``$DRAMA3_PATCHES_REPORT_DIR/<host>-<pid>.json``.
 It changes no code object; the install room does that.
 """
 
@@ -243,12 +243,29 @@ def _report_dir_fd(directory: str) -> int:
     return fd
 
 
-def write_report(engine) -> None:
-    """Write ``$DRAMA3_PATCHES_REPORT_DIR/<pid>.json`` (atomically, mode 0600) if the variable is set.
+HOST_MAX = 64
 
-    The text goes to a temporary file of random name, created exclusively and
-    without following links, then is renamed over ``<pid>.json``: nothing planted
-    in the folder is opened, followed or blocked on.
+
+def host_label() -> str:
+    """This host's name as a report file name part: ``[A-Za-z0-9._]`` (anything else ``_``), at most
+    ``HOST_MAX`` characters; ``-`` is the separator from the pid, so it never occurs here."""
+    import socket  # only when a report is written
+
+    try:
+        name = socket.gethostname()
+    except OSError:
+        name = ""
+    label = "".join(c if c.isascii() and (c.isalnum() or c in "._") else "_" for c in name)[:HOST_MAX]
+    return label or "unknown"
+
+
+def write_report(engine) -> None:
+    """Write ``$DRAMA3_PATCHES_REPORT_DIR/<host>-<pid>.json`` (atomically, mode 0600) if the variable is set.
+
+    The host is in the name (and the report's ``host`` field) because the folder may be shared by
+    the processes of several nodes, whose pids collide. The text goes to a temporary file of random
+    name, created exclusively and without following links, then is renamed over the report's name:
+    nothing planted in the folder is opened, followed or blocked on.
     """
     directory = os.environ.get(env.REPORT_DIR)
     if not directory:
@@ -258,10 +275,12 @@ def write_report(engine) -> None:
             data = engine.snapshot()
             data["argv"] = redacted_argv(sys.argv)
             data["written_at"] = time.time()
+            host = host_label()
+            data["host"] = host
             text = json.dumps(data, indent=1, sort_keys=True).encode("utf-8")
             dir_fd = _report_dir_fd(directory)
             try:
-                name = f"{os.getpid()}.json"
+                name = f"{host}-{os.getpid()}.json"
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
                 for _ in range(16):  # a name taken (planted or left over) is never reused: draw again
                     tmp = f".{os.getpid()}.{os.urandom(8).hex()}.tmp"

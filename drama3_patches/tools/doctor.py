@@ -33,6 +33,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    warning: bool = False  # shown, but not a problem that makes the host "not ready"
 
 
 def site_dirs() -> list[str]:
@@ -89,6 +90,26 @@ def check_env(env) -> list[Check]:
         checks.append(Check(PLATFORM, False, f"{PLATFORM}={plat!r} is not one of {'|'.join(PLATFORMS)}: the engine "
                             "ignores it and warns at every start", f"unset {PLATFORM}"))
     return checks
+
+
+def check_plugins(env) -> list[Check]:
+    """A warning when ``VLLM_PLUGINS`` is set and leaves ``drama3_patches`` out.
+
+    vLLM then never calls this package's entry point, and a process that the ``.pth`` line did not
+    enable at its start (a Ray worker on a node whose ``ray start`` had no ``DRAMA3_PATCHES``)
+    stays unpatched. vLLM splits the value on commas and compares names exactly.
+    """
+    value = env.get("VLLM_PLUGINS")
+    if value is None or PLUGIN_NAME in value.split(","):
+        return []
+    near = PLUGIN_NAME in (n.strip() for n in value.split(","))
+    detail = (f"VLLM_PLUGINS={value!r} leaves {PLUGIN_NAME} out"
+              + (" (vLLM compares names exactly: no spaces around commas)" if near else "")
+              + ": vLLM will not call its entry point, so a process the start-up hook did not enable "
+                "(a Ray worker on a node started without DRAMA3_PATCHES) stays unpatched")
+    names = [n.strip() for n in value.split(",") if n.strip() and n.strip() != PLUGIN_NAME]
+    fix = f"export VLLM_PLUGINS={','.join([*names, PLUGIN_NAME])}   (or unset VLLM_PLUGINS)"
+    return [Check("VLLM_PLUGINS", False, detail, fix, warning=True)]
 
 
 def _ranges(manifest) -> dict[str, list[tuple[str, str]]]:
@@ -330,6 +351,7 @@ def run_checks(env=None, dirs=None, entry_points=None, installed=None, npu=None,
     checks += check_env(env)
     checks.append(check_pth(site_dirs() if dirs is None else dirs))
     checks.append(check_entry_point(entry_points))
+    checks += check_plugins(env)
     if manifest is None:
         try:
             manifest = load_manifest()
@@ -382,8 +404,10 @@ def report(checks: list[Check], out, patches: dict | None = None) -> int:
     if patches is not None:
         for line in patch_lines(patches):
             out.write(line + "\n")
-    bad = [c for c in checks if not c.ok]
-    out.write("ready\n" if not bad else f"not ready: {len(bad)} problem(s)\n")
+    bad = [c for c in checks if not c.ok and not c.warning]
+    warned = sum(1 for c in checks if not c.ok and c.warning)
+    note = f" ({warned} warning(s))" if warned else ""
+    out.write(f"ready{note}\n" if not bad else f"not ready: {len(bad)} problem(s){note}\n")
     return 0 if not bad else 1
 
 

@@ -43,11 +43,12 @@ def format_bytes(n: float, width: int = 8) -> str:
 
 
 def check_lines(checks) -> list[str]:
-    """``[ok]`` / ``[FAIL]`` lines of objects with ``ok``, ``name``, ``detail``, ``fix``; a fix under
-    its failure."""
+    """``[ok]`` / ``[FAIL]`` / ``[warn]`` lines of objects with ``ok``, ``name``, ``detail``, ``fix``
+    (and optionally ``warning``); a fix under its failure."""
     out = []
     for c in checks:
-        out.append(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+        mark = "ok" if c.ok else "warn" if getattr(c, "warning", False) else "FAIL"
+        out.append(f"  [{mark}] {c.name}: {c.detail}")
         if not c.ok and c.fix:
             out.append(f"         fix: {c.fix}")
     return out
@@ -88,6 +89,7 @@ def render_status(data: dict) -> str:
 MAX_REPORT_BYTES = 1024 ** 2  # a report is a few kilobytes per patch
 MAX_REPORT_FILES = 10000
 MAX_PATCHES = 1000
+HOST_MAX = 64  # as drama3_patches.engine.state.HOST_MAX
 
 
 @dataclass
@@ -114,6 +116,20 @@ def _is_str(value) -> bool:
     return isinstance(value, str)
 
 
+def parse_name(stem: str) -> tuple[str | None, int] | None:
+    """``(host, pid)`` of a report name's stem: ``<host>-<pid>`` as processes write it, or the
+    older ``<pid>`` (host None); None for anything else. The host part has the characters
+    ``host_label`` keeps."""
+    host, _, pid = stem.rpartition("-")
+    if not (pid.isascii() and pid.isdigit()) or len(pid) > 10:
+        return None
+    if not _:
+        return None, int(pid)
+    if not host or len(host) > HOST_MAX or not all(c.isascii() and (c.isalnum() or c in "._") for c in host):
+        return None
+    return host, int(pid)
+
+
 def _valid_report(data, stem: str) -> str | None:
     """Why a parsed report cannot be shown (a wrong type where the renderer expects one), or None."""
     if not isinstance(data, dict):
@@ -127,11 +143,14 @@ def _valid_report(data, stem: str) -> str | None:
             return "a patch entry lacks id/state/reason"
         if not all(_is_str(p[k]) for k in ("id", "state", "reason")):
             return "a patch entry's id, state or reason is not text"
+    host, named_pid = parse_name(stem)
     pid = data.get("pid")
     if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
         return f"pid is {type(pid).__name__}, not a process id"
-    if pid is not None and str(pid) != stem:
+    if pid is not None and pid != named_pid:
         return f"says pid {pid} but is named {stem}.json"
+    if "host" in data and (not _is_str(data["host"]) or (host is not None and data["host"] != host)):
+        return f"says host {data['host']!r} but is named {stem}.json"
     if "platform" in data and not _is_str(data["platform"]):
         return "platform is not text"
     argv = data.get("argv")
@@ -160,7 +179,8 @@ def _folder_notes(directory: str, st) -> list[str]:
 
 
 def collect(directory: str, trust: tuple = ()) -> Collected:
-    """Read every ``<pid>.json`` of a report directory; anything else is skipped with the reason.
+    """Read every ``<host>-<pid>.json`` (or older ``<pid>.json``) of a report directory; anything
+    else is skipped with the reason.
 
     Fail closed: a report is shown only when it is a regular file (no link followed, no FIFO
     or device opened blocking) of at most ``MAX_REPORT_BYTES``, owned by the user running this,
@@ -193,8 +213,8 @@ def collect(directory: str, trust: tuple = ()) -> Collected:
             result.skipped.append((path, f"{who}: not you or root, so possibly planted; "
                                          f"--trust {owner_name(st.st_uid)} shows it"))
             continue
-        if not stem.isdigit():
-            result.skipped.append((path, f"not a <pid>.json name ({who})"))
+        if parse_name(stem) is None:
+            result.skipped.append((path, f"not a <host>-<pid>.json name ({who})"))
             continue
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -208,9 +228,13 @@ def collect(directory: str, trust: tuple = ()) -> Collected:
         if problem:
             result.skipped.append((path, f"{problem} ({who})"))
             continue
-        data.setdefault("pid", int(stem))
+        host, pid = parse_name(stem)
+        data.setdefault("pid", pid)
+        if host is not None:
+            data["host"] = host
         result.processes.append(data)
-    result.processes.sort(key=lambda d: d["pid"])
+    # A report of the older name says no host (unless its text does): it sorts first, as "?".
+    result.processes.sort(key=lambda d: (d.get("host") or "", d["pid"]))
     return result
 
 
@@ -224,17 +248,37 @@ def _running(pid: int) -> bool:
     return True
 
 
+def _liveness(proc: dict, here: str) -> str:
+    """" (gone)" only for a process of this host that is not running: a pid of another host (or of
+    a report that names no host) says nothing here."""
+    host = proc.get("host")
+    if host is None:
+        return " (host?)"
+    if host != here:
+        return ""
+    return "" if _running(proc["pid"]) else " (gone)"
+
+
 def render_collected(c: Collected, directory: str) -> str:
-    """The collected reports as a table; every piece of report text shown without control characters."""
+    """The collected reports as a table grouped by host; every piece of report text shown without
+    control characters."""
+    from drama3_patches.engine.state import host_label
     from drama3_patches.tools.files import printable
 
     if not c.processes:
         return f"no process reports in {printable(directory)}"
+    here = host_label()
     rows = []
+    hosts: dict[str, list[str]] = {}
     for proc in c.processes:
+        host = printable(proc.get("host") or "?")
+        if host not in hosts:
+            hosts[host] = []
+            rows.append([f"host {host}" + (" (this host)" if host == here else ""), "", "", "", ""])
+        hosts[host].append(str(proc["pid"]))
         argv = proc.get("argv") or []
         what = printable(" ".join(argv))[:60] if argv else "?"
-        pid = str(proc["pid"]) + ("" if _running(proc["pid"]) else " (gone)")
+        pid = "  " + str(proc["pid"]) + _liveness(proc, here)
         for p in proc["patches"]:
             rows.append([pid, printable(proc.get("platform", "?")), printable(p["id"]), printable(p["state"]),
                          printable(p["reason"])])
@@ -243,9 +287,11 @@ def render_collected(c: Collected, directory: str) -> str:
     for proc in c.processes:
         for p in proc["patches"]:
             if p["state"] == "applied":
-                summary.setdefault(printable(p["id"]), []).append(str(proc["pid"]))
-    lines = [table(rows, ["PID", "PLATFORM", "PATCH", "STATE", "REASON"]), ""]
-    lines.append(f"{len(c.processes)} process report(s) in {printable(directory)}")
+                summary.setdefault(printable(p["id"]), []).append(f"{printable(proc.get('host') or '?')}:{proc['pid']}")
+    lines = [table(rows, ["HOST / PID", "PLATFORM", "PATCH", "STATE", "REASON"]), ""]
+    lines.append(f"{len(c.processes)} process report(s) from {len(hosts)} host(s) in {printable(directory)}")
+    for host, pids in hosts.items():
+        lines.append(f"  host {host}: {len(pids)} process(es), pid {', '.join(pids)}")
     for pid_list_id, pids in summary.items():
-        lines.append(f"  {pid_list_id}: applied in pid {', '.join(pids)}")
+        lines.append(f"  {pid_list_id}: applied in {', '.join(pids)}")
     return "\n".join(lines)

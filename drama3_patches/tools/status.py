@@ -15,8 +15,8 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--collect", metavar="DIR",
-        help="aggregate the <pid>.json files that DRAMA3_PATCHES_REPORT_DIR made processes write "
-             "(only regular files owned by you or root; see --trust)",
+        help="aggregate the <host>-<pid>.json files that DRAMA3_PATCHES_REPORT_DIR made processes write, "
+             "grouped by host (only regular files owned by you or root; see --trust)",
     )
     p.add_argument(
         "--trust", metavar="USER", action="append", default=[],

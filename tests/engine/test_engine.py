@@ -466,12 +466,16 @@ def test_thread_safety_concurrent_imports_and_applies(sandbox):
 def test_report_dir_written_on_change(sandbox):
     reports = sandbox.root / "reports"
     pid, argv = run(pid_and_argv, sandbox(DRAMA3_PATCHES_REPORT_DIR=str(reports)))
-    data = json.loads((reports / f"{pid}.json").read_text())
+    # Imported here: children load this module, and some must not load the engine.
+    from drama3_patches.engine.state import host_label
+
+    data = json.loads((reports / f"{host_label()}-{pid}.json").read_text())
+    assert data["host"] == host_label()
     assert data["patches"][0]["id"] == "selftest"
     assert data["patches"][0]["state"] == "applied"
     # The program name stays; every argument value is redacted (a command line can carry an API key).
     assert data["argv"] == [os.path.basename(argv[0])] + ["*"] * (len(argv) - 1)
-    assert (reports / f"{pid}.json").stat().st_mode & 0o777 == 0o600
+    assert (reports / f"{host_label()}-{pid}.json").stat().st_mode & 0o777 == 0o600
     assert reports.stat().st_mode & 0o777 == 0o700
     # Without the variable nothing is written.
     before = sorted(reports.iterdir())

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from drama3_patches._bootstrap import scan_target_modules
+from drama3_patches.engine.state import host_label
 from drama3_patches.manifest import ManifestError, load_manifest, parse_manifest
 from support.replicas import PIL_QWEN2VL_ENV, PIL_QWEN2VL_PATH
 from support.selftest import write_manifest, write_target
@@ -20,9 +21,9 @@ CONTRACT_IDS = [
     "tower-sampler-eager", "preemption-host-copy", "fp8-expert-method",
 ]
 # Added for the published fish_omni (its GDN swap is CUDA-only; its tensor-parallel refusal and
-# whole-head tower); beyond the original contract.
+# whole-head tower) and for Ray actors on several nodes; beyond the original contract.
 EXTRA_IDS = ["gdn-backbone-ascend", "fish-omni-tensor-parallel", "fish-omni-tp-frames-check",
-             "fish-omni-tower-tp-split"]
+             "fish-omni-tower-tp-split", "ray-actor-env"]
 
 
 def test_shipped_manifest_is_valid_and_has_the_contract_ids():
@@ -226,7 +227,9 @@ def test_collect_aggregates_reports_and_skips_corrupt_files(sandbox, tmp_path):
     for pid in pids:
         assert pid in proc.stdout
     assert "2 process report(s)" in proc.stdout
-    assert f"selftest: applied in pid {', '.join(sorted(pids))}" in proc.stdout
+    here = host_label()
+    assert f"selftest: applied in {', '.join(f'{here}:{p}' for p in sorted(pids, key=int))}" in proc.stdout
+    assert f"host {here} (this host)" in proc.stdout
     assert "999999.json: not valid JSON" in proc.stderr
     assert "999998.json: no 'patches' list" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -15,6 +15,7 @@ import pytest
 
 from support.hostile import hostile_user  # noqa: F401 (a fixture)
 from support.selftest import write_manifest, write_target
+from drama3_patches.engine.state import host_label
 from support.subproc import call
 
 SECRET = "root-only contents"
@@ -63,7 +64,7 @@ def test_the_report_is_private_and_the_command_line_redacted(served, tmp_path):
     reports = tmp_path / "made" / "reports"
     pid, stderr = served(reports, serve, "serve", "/models/drama3", "--api-key", "sk-SECRET", "--token=T0K3N", "-v")
     assert stderr == ""
-    report = reports / f"{pid}.json"
+    report = reports / f"{host_label()}-{pid}.json"
     text = report.read_text()
     assert json.loads(text)["argv"] == ["subproc.py", "*", "*", "--api-key", "*", "--token=*", "-v"]
     assert "SECRET" not in text and "T0K3N" not in text
@@ -78,7 +79,7 @@ def test_a_link_or_fifo_at_the_old_temporary_name_is_never_opened(served, tmp_pa
     reports.mkdir(mode=0o700)
     pid, stderr = served(reports, plant_then_serve, str(reports), kind, str(served.victim))
     assert served.victim.read_text() == SECRET
-    assert json.loads((reports / f"{pid}.json").read_text())["pid"] == pid
+    assert json.loads((reports / f"{host_label()}-{pid}.json").read_text())["pid"] == pid
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o775])
@@ -103,7 +104,7 @@ def test_another_users_report_folder_is_refused(served, hostile_user, kind):
     pid, stderr = served(reports)
     assert pid in pids, "the guess missed: the test proves nothing this time"
     assert served.victim.read_text() == SECRET
-    assert not (reports / f"{pid}.json").exists()
+    assert not (reports / f"{host_label()}-{pid}.json").exists()
     (line,) = stderr.splitlines()
     assert f"belongs to uid {hostile_user.uid}" in line
 

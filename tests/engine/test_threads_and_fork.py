@@ -122,7 +122,7 @@ def fork_while_locks_are_held(report_dir: str) -> list:
         os._exit(0 if done.wait(20) else 3)
     _, status = os.waitpid(pid, 0)
     release.set()
-    return [all(held), os.waitstatus_to_exitcode(status), f"{pid}.json" in os.listdir(report_dir)]
+    return [all(held), os.waitstatus_to_exitcode(status), f"{state.host_label()}-{pid}.json" in os.listdir(report_dir)]
 
 
 def test_a_fork_while_other_threads_hold_the_engine_locks_does_not_deadlock_the_child(modules, tmp_path):

