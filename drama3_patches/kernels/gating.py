@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .norms import into
+
 __all__ = ["sigmoid_gate"]
 
 
@@ -19,4 +21,4 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     s = gate.reshape(x.shape).to(torch.float32, copy=True).sigmoid_()
     if x.dtype == torch.float32:
         return s.mul_(x)
-    return torch.mul(s, x, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    return into(torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.mul, s, x)

@@ -32,7 +32,7 @@ import weakref
 
 import torch
 
-__all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm", "prepared", "constant"]
+__all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm", "prepared", "constant", "into"]
 
 _LOW = (torch.bfloat16, torch.float16)
 _F32 = torch.float32
@@ -52,9 +52,11 @@ def prepared(tag, sources: tuple, make):
 
     In-place changes made through ``param.data`` bypass the parameter's version counter:
     weights are final before the first forward (fish_omni permutes them at load). Inference
-    tensors (no version counter) and traced code compute it each time.
+    tensors (no version counter), weights that autograd follows and traced code compute it
+    each time.
     """
-    if torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
+    if (torch.compiler.is_compiling() or any(t.is_inference() for t in sources)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in sources))):
         return make()
     key = (tag, *(id(t) for t in sources))
     stamp = tuple((t.data_ptr(), t._version) for t in sources)
@@ -77,6 +79,15 @@ def constant(value: float, device) -> torch.Tensor:
     if t is None:
         t = _CONSTANTS[key] = torch.full((1,), value, dtype=_F32, device=device)
     return t
+
+
+def into(out: torch.Tensor, op, *args) -> torch.Tensor:
+    """``op(*args, out=out)``; where autograd records a graph (``out=`` cannot be recorded), the same
+    values through a copy."""
+    flat = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))]
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+        return out.copy_(op(*args))
+    return op(*args, out=out)
 
 
 def weight_f32(weight: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
@@ -106,8 +117,8 @@ def normalize_into(x: torch.Tensor, w32: torch.Tensor, eps: float, out: torch.Te
     caller's, overwritten.
     """
     scale = _square(x).mean(dim=-1, keepdim=True).add_(eps).rsqrt_()
-    rows = x.mul_(scale) if own else torch.mul(x, scale)
-    return torch.mul(rows, w32, out=out)
+    rows = x.mul_(scale) if own and not x.requires_grad else torch.mul(x, scale)
+    return into(out, torch.mul, rows, w32)
 
 
 def _f32_operand(x: torch.Tensor) -> torch.Tensor:
@@ -195,10 +206,10 @@ def tower_mix_norm(
     dtype = hidden.dtype
     emb = torch.empty((rows, dim), dtype=dtype, device=hidden.device)
     index = code.reshape(-1).clamp(0, table.shape[0] - 1)
-    torch.mul(table.index_select(0, index), code_mask.reshape(-1, 1).to(_F32), out=emb)
+    into(emb, torch.mul, table.index_select(0, index), code_mask.reshape(-1, 1).to(_F32))
     if extra is not None:
         # float32 emb + extra, rounded again into emb (out= may be an input of the same elements)
-        torch.addcmul(emb, _f32_operand(extra), constant(1.0, hidden.device), out=emb)
+        into(emb, torch.addcmul, emb, _f32_operand(extra), constant(1.0, hidden.device))
     out = torch.empty((rows, 2 * dim), dtype=dtype, device=hidden.device)
     normalize_into(_f32_operand(emb), weight_f32(enorm_weight), eps, out[:, :dim])
     normalize_into(_f32_operand(hidden), weight_f32(hnorm_weight), eps, out[:, dim:])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .norms import gemma_rms_norm, normalize_into, prepared
+from .norms import gemma_rms_norm, into, normalize_into, prepared
 from .rope import apply_rope
 
 __all__ = ["fused_qk_rmsnorm_rope_gate", "qk_norm_rope_gate"]
@@ -116,7 +116,7 @@ def fused_qk_rmsnorm_rope_gate(
     heads = q_gate.reshape(tokens, num_q_heads, 2, head_dim)
     both = num_q_heads + num_kv_heads
     x32 = torch.empty((tokens, both, head_dim), dtype=torch.float32, device=device)
-    torch.cat((heads[:, :, 0], k.reshape(tokens, num_kv_heads, head_dim)), dim=1, out=x32)
+    into(x32, torch.cat, (heads[:, :, 0], k.reshape(tokens, num_kv_heads, head_dim)), 1)
     normed = torch.empty((tokens, both, head_dim), dtype=dtype, device=device)
     normalize_into(x32, _head_weights(q_weight, k_weight, norm_beta, num_q_heads, num_kv_heads), eps, normed, own=True)
     # NeoX rotation of the rounded heads in float32, rounded once more, in place:
@@ -124,7 +124,7 @@ def fused_qk_rmsnorm_rope_gate(
     cos2, signed_sin = _rotation(cos_sin_cache, positions, rotary_dim, mrope_section)
     rot = normed[..., :rotary_dim]
     swapped = rot.roll(rotary_dim // 2, dims=-1)
-    torch.add(torch.mul(rot, cos2), torch.mul(swapped, signed_sin), out=rot)
+    into(rot, torch.add, torch.mul(rot, cos2), torch.mul(swapped, signed_sin))
     # contiguous() copies only when the rows interleave (more than one token)
     q_out = normed[:, :num_q_heads].reshape(tokens, num_q_heads * head_dim).contiguous()
     k_out = normed[:, num_q_heads:].reshape(tokens, num_kv_heads * head_dim).contiguous()

@@ -11,6 +11,9 @@ Each aten op that reaches the mode falls in one class:
 * ``launches``: everything else, one device kernel each (an upper bound for an op that
   some backend fuses, which is the point of a budget).
 
+Composite ops (``CompositeImplicitAutograd``: ``to``, ``reshape``, ``rms_norm``, ...), which
+inference mode hands to the mode whole, are counted as the ops they decompose into.
+
 ``count(fn, *args)`` returns a :class:`Counts`; ``Counts.by_op`` names every launch.
 """
 
@@ -89,7 +92,15 @@ class LaunchCounter(TorchDispatchMode):
         self.counts = Counts()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # Inference mode hands composite ops (to, reshape, rms_norm, ...) to the mode whole;
+            # their decomposition is what runs: count its ops instead.
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        result = func(*args, **kwargs)
         kind = classify(func, args, result)
         c = self.counts
         setattr(c, kind, getattr(c, kind) + 1)
