@@ -18,7 +18,9 @@ no host synchronisation.
 
 Few launches, the same values as the plain form: the row maximum of
 ``logits / t`` is ``values[:, 0] / t`` (division by ``t > 0`` is monotonic in
-floating point, and ``topk`` puts the row's maximum first); the race is run as
+floating point, and ``topk`` puts the row's maximum first); the candidates'
+``exp(v / t - max)`` are gathered from the full row's (the same elementwise
+arithmetic on the same values); the race is run as
 ``argmin(p / log u)`` (``p / -log u`` negated exactly, and ``argmin`` takes the
 first minimum as ``argmax`` takes the first maximum); rank 0 needs no forcing:
 the cumulative sum never decreases, so when rank 0 fails both tests every rank
@@ -67,10 +69,10 @@ def draw_top_k_top_p(
 
     t = temperature.reshape(rows, 1).to(torch.float32).clamp_min(min_temperature)
     # bfloat16 / float16 logits promote to float32 inside the divisions
-    scaled_top = torch.div(values, t)
-    row_max = scaled_top[:, :1]
-    total = torch.div(logits, t).sub_(row_max).exp_().sum(dim=-1, keepdim=True)
-    probs = torch.sub(scaled_top, row_max).exp_().div_(total)
+    row_max = torch.div(values[:, :1], t)
+    weights = torch.div(logits, t).sub_(row_max).exp_()
+    # the candidates' exp(v / t - max) are the row's own at their columns
+    probs = weights.gather(1, ids).div_(weights.sum(dim=-1, keepdim=True))
     keep = (probs.cumsum(dim=-1) <= top_p.reshape(rows, 1)) & (_ranks(max_top_k, logits.device) < top_k.reshape(rows, 1))
     log_u = uniform[:, :max_top_k].to(torch.float32).clamp_min(_NOISE_FLOOR).log_()
     score = torch.where(keep, probs.div_(log_u), constant(1.0, logits.device))
