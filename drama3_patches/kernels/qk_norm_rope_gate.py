@@ -104,7 +104,8 @@ def fused_qk_rmsnorm_rope_gate(
     the rest is normalised only.
 
     Returns new contiguous ``(q, k, gate)``: ``[T, heads * head_dim]`` in the
-    input dtype; ``gate`` is the raw (pre-sigmoid) gate.  Invalid arguments
+    input dtype (for one token, q and k are disjoint views of one new buffer);
+    ``gate`` is the raw (pre-sigmoid) gate.  Invalid arguments
     raise ``ValueError`` under the same conditions as vLLM's kernel.
     """
     _check_fused_args(q_gate, k, q_weight, k_weight, cos_sin_cache, positions, rotary_dim, head_dim, mrope_section)
