@@ -110,7 +110,9 @@ def _square(x: torch.Tensor) -> torch.Tensor:
     return x.pow(2)
 
 
-def normalize_into(x: torch.Tensor, w32: torch.Tensor, eps: float, out: torch.Tensor, own: bool = False) -> torch.Tensor:
+def normalize_into(
+    x: torch.Tensor, w32: torch.Tensor, eps: float, out: torch.Tensor, own: bool = False
+) -> torch.Tensor:
     """``out = x * rsqrt(mean(x^2) + eps) * w32`` in float32, rounded once into ``out``.
 
     ``x`` float32, bfloat16 or float16 ``[..., D]``; ``own``: ``x`` is a float32 scratch of the

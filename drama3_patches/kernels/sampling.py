@@ -56,7 +56,8 @@ def draw_top_k_top_p(
     ``temperature``, ``top_k``, ``top_p``: one value per row.  ``uniform``:
     ``[rows, >= max_top_k]`` U(0, 1) noise (the first ``max_top_k`` columns
     are read).  ``top``: a ``torch.topk(logits, max_top_k)`` result to reuse
-    (several draws over the same logits share it).  ``id_map``: column index ->
+    (several draws over the same logits share it; its values must be those
+    logits' own, as the candidates' probabilities are read from the row).  ``id_map``: column index ->
     token id.  Probabilities are float32 whatever the logits' dtype.
     """
     rows = logits.shape[0]
@@ -73,7 +74,8 @@ def draw_top_k_top_p(
     weights = torch.div(logits, t).sub_(row_max).exp_()
     # the candidates' exp(v / t - max) are the row's own at their columns
     probs = weights.gather(1, ids).div_(weights.sum(dim=-1, keepdim=True))
-    keep = (probs.cumsum(dim=-1) <= top_p.reshape(rows, 1)) & (_ranks(max_top_k, logits.device) < top_k.reshape(rows, 1))
+    ranks = _ranks(max_top_k, logits.device)
+    keep = (probs.cumsum(dim=-1) <= top_p.reshape(rows, 1)) & (ranks < top_k.reshape(rows, 1))
     log_u = uniform[:, :max_top_k].to(torch.float32).clamp_min(_NOISE_FLOOR).log_()
     score = torch.where(keep, probs.div_(log_u), constant(1.0, logits.device))
     token = ids.gather(1, score.argmin(dim=-1, keepdim=True)).squeeze(1)
