@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .norms import into
+
 __all__ = ["sigmoid_gate"]
 
 
@@ -14,6 +16,9 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     element by element in memory order; here in logical order, the same for
     the contiguous tensors it is given).  A new tensor shaped like ``x``.
     """
-    # One float32 buffer of our own; mul_ promotes x's elements to float32 on the fly.
-    out = gate.reshape(x.shape).to(torch.float32, copy=True)
-    return out.sigmoid_().mul_(x).to(x.dtype)
+    # One float32 buffer of our own; the product promotes x's elements to float32 on the fly
+    # and is rounded once, straight into the result.
+    s = gate.reshape(x.shape).to(torch.float32, copy=True).sigmoid_()
+    if x.dtype == torch.float32:
+        return s.mul_(x)
+    return into(torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.mul, s, x)

@@ -13,13 +13,86 @@ code embedding), so does this code.
 
 ``gemma_rms_norm`` also serves ``qk_norm_rope_gate`` (vLLM's eager QK path),
 where it agrees bit for bit with ``GemmaRMSNorm.forward_native``.
+
+Host dispatch: every aten op is a device launch off CUDA, so the code keeps them few
+while computing exactly the same float32 values (results are bit-identical to the plain
+form ``x.to(float32)`` ... ``.to(dtype)``):
+
+* float32 ``weight + beta`` is prepared once per weight (``prepared``) and reused;
+* lower-precision operands are promoted inside a float32 op instead of cast first
+  (``pow`` with a one-element float32 exponent squares exactly: checked on every finite
+  bfloat16 and float16 value; ``addcmul(a, b, one)`` is ``a + b`` in float32);
+* the last product is written with ``out=`` straight into the low-precision result.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
-__all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm"]
+__all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm", "prepared", "constant", "into"]
+
+_LOW = (torch.bfloat16, torch.float16)
+_F32 = torch.float32
+_PREPARED: dict = {}
+_CONSTANTS: dict = {}
+
+
+def _evict(key, ref) -> None:
+    entry = _PREPARED.get(key)
+    if entry is not None and ref in entry[0]:
+        del _PREPARED[key]
+
+
+def prepared(tag, sources: tuple, make):
+    """``make()`` once per ``(tag, sources)``, reused while every source tensor is the same
+    object with the same storage and version counter; the entry goes with its sources.
+
+    In-place changes made through ``param.data`` bypass the parameter's version counter:
+    weights are final before the first forward (fish_omni permutes them at load). Inference
+    tensors (no version counter), weights that autograd follows and traced code compute it
+    each time.
+    """
+    if (torch.compiler.is_compiling() or any(t.is_inference() for t in sources)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in sources))):
+        return make()
+    key = (tag, *(id(t) for t in sources))
+    stamp = tuple((t.data_ptr(), t._version) for t in sources)
+    entry = _PREPARED.get(key)
+    if entry is not None and entry[1] == stamp and all(r() is t for r, t in zip(entry[0], sources)):
+        return entry[2]
+    value = make()
+    refs = tuple(weakref.ref(t, functools.partial(_evict, key)) for t in sources)
+    _PREPARED[key] = (refs, stamp, value)
+    return value
+
+
+def constant(value: float, device) -> torch.Tensor:
+    """A one-element float32 tensor on ``device``, made once (a 1-D operand promotes a bfloat16 op
+    to float32, where a 0-D one would not)."""
+    if torch.compiler.is_compiling():
+        return torch.full((1,), value, dtype=_F32, device=device)
+    key = (value, torch.device(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.full((1,), value, dtype=_F32, device=device)
+    return t
+
+
+def into(out: torch.Tensor, op, *args) -> torch.Tensor:
+    """``op(*args, out=out)``; where autograd records a graph (``out=`` cannot be recorded), the same
+    values through a copy."""
+    flat = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))]
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+        return out.copy_(op(*args))
+    return op(*args, out=out)
+
+
+def weight_f32(weight: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """``weight.to(float32) + beta``, prepared once per weight."""
+    return prepared(("w", beta), (weight,), lambda: weight.to(_F32) + beta)
 
 
 def gemma_rows_f32(x32: torch.Tensor, weight: torch.Tensor, eps: float, beta: float = 1.0) -> torch.Tensor:
@@ -30,16 +103,28 @@ def gemma_rows_f32(x32: torch.Tensor, weight: torch.Tensor, eps: float, beta: fl
     return out.mul_(weight.to(torch.float32) + beta)
 
 
-def _code_rows(code: torch.Tensor, code_mask: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``table[clamp(code)] * mask`` in float32, ``[rows, D]``.
+def _square(x: torch.Tensor) -> torch.Tensor:
+    # float32 squares of float32 / bfloat16 / float16 rows, without a separate cast
+    if x.dtype in _LOW:
+        return torch.pow(x, constant(2.0, x.device))
+    return x.pow(2)
 
-    Codes outside the table are clamped to its first/last row (the published
-    kernel does the same instead of faulting); the mask multiplies, so a masked
-    row is exactly zero.
+
+def normalize_into(
+    x: torch.Tensor, w32: torch.Tensor, eps: float, out: torch.Tensor, own: bool = False
+) -> torch.Tensor:
+    """``out = x * rsqrt(mean(x^2) + eps) * w32`` in float32, rounded once into ``out``.
+
+    ``x`` float32, bfloat16 or float16 ``[..., D]``; ``own``: ``x`` is a float32 scratch of the
+    caller's, overwritten.
     """
-    index = code.reshape(-1).clamp(0, table.shape[0] - 1)
-    rows = table.index_select(0, index).to(torch.float32)
-    return rows.mul_(code_mask.reshape(-1, 1).to(torch.float32))
+    scale = _square(x).mean(dim=-1, keepdim=True).add_(eps).rsqrt_()
+    rows = x.mul_(scale) if own and not x.requires_grad else torch.mul(x, scale)
+    return into(out, torch.mul, rows, w32)
+
+
+def _f32_operand(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in _LOW or x.dtype == _F32 else x.to(_F32)
 
 
 def gemma_rms_norm(
@@ -51,11 +136,34 @@ def gemma_rms_norm(
     ``weight`` ``[D]`` of any float dtype; ``residual`` shaped like ``x``.
     Results are new tensors in ``x.dtype``; inputs are not modified.
     """
-    x32 = x.to(torch.float32)
+    w32 = weight_f32(weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is None:
-        return gemma_rows_f32(x32, weight, eps).to(x.dtype)
-    x32 = x32 + residual.to(torch.float32)
-    return gemma_rows_f32(x32, weight, eps).to(x.dtype), x32.to(x.dtype)
+        return normalize_into(_f32_operand(x), w32, eps, out)
+    # x + r in float32 (the products with one are exact, so no fused rounding can differ)
+    s32 = torch.addcmul(_f32_operand(x), _f32_operand(residual), constant(1.0, x.device))
+    if x.dtype == _F32:
+        return normalize_into(s32, w32, eps, out), s32
+    summed = s32.to(x.dtype)
+    return normalize_into(s32, w32, eps, out, own=True), summed
+
+
+def _masked_rows(x, code, code_mask, table) -> torch.Tensor:
+    """float32 ``x + code_mask * table[clamp(code)]`` ``[rows, D]`` (``x`` None: without it).
+
+    Codes outside the table are clamped to its first/last row (the published
+    kernel does the same instead of faulting); the mask multiplies, so a masked
+    row is exactly zero.
+    """
+    rows = table.index_select(0, code.reshape(-1).clamp(0, table.shape[0] - 1))
+    mask = code_mask.reshape(-1, 1)
+    mask32 = mask.to(_F32)
+    if x is None:
+        return torch.mul(rows, mask32)
+    if mask.dtype == torch.bool:
+        # rows * {0, 1} is exact: one fused op gives the same float32 sum
+        return torch.addcmul(_f32_operand(x), rows, mask32)
+    return torch.mul(rows, mask32).add_(x)
 
 
 def gemma_rms_norm_table(
@@ -71,8 +179,13 @@ def gemma_rms_norm_table(
     ``x`` ``[rows, D]``; ``code`` and ``code_mask`` one entry per row; ``table``
     ``[codes, D]``.
     """
-    s32 = x.to(torch.float32) + _code_rows(code, code_mask, table)
-    return gemma_rows_f32(s32, weight, eps).to(x.dtype), s32.to(x.dtype)
+    s32 = _masked_rows(x, code, code_mask, table)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    w32 = weight_f32(weight)
+    if x.dtype == _F32:
+        return normalize_into(s32, w32, eps, out), s32
+    summed = s32.to(x.dtype)
+    return normalize_into(s32, w32, eps, out, own=True), summed
 
 
 def tower_mix_norm(
@@ -93,11 +206,13 @@ def tower_mix_norm(
     """
     rows, dim = hidden.shape
     dtype = hidden.dtype
-    emb = _code_rows(code, code_mask, table).to(dtype)
+    emb = torch.empty((rows, dim), dtype=dtype, device=hidden.device)
+    index = code.reshape(-1).clamp(0, table.shape[0] - 1)
+    into(emb, torch.mul, table.index_select(0, index), code_mask.reshape(-1, 1).to(_F32))
     if extra is not None:
-        # in-place float32 add: extra's elements are promoted on the fly, no extra buffer
-        emb = emb.to(torch.float32).add_(extra).to(dtype)
+        # float32 emb + extra, rounded again into emb (out= may be an input of the same elements)
+        into(emb, torch.addcmul, emb, _f32_operand(extra), constant(1.0, hidden.device))
     out = torch.empty((rows, 2 * dim), dtype=dtype, device=hidden.device)
-    out[:, :dim] = gemma_rows_f32(emb.to(torch.float32), enorm_weight, eps)
-    out[:, dim:] = gemma_rows_f32(hidden.to(torch.float32), hnorm_weight, eps)
+    normalize_into(_f32_operand(emb), weight_f32(enorm_weight), eps, out[:, :dim])
+    normalize_into(_f32_operand(hidden), weight_f32(hnorm_weight), eps, out[:, dim:])
     return out

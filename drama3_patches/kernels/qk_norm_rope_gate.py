@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .norms import gemma_rows_f32, gemma_rms_norm
+from .norms import gemma_rms_norm, into, normalize_into, prepared
 from .rope import apply_rope
 
 __all__ = ["fused_qk_rmsnorm_rope_gate", "qk_norm_rope_gate"]
@@ -104,25 +104,62 @@ def fused_qk_rmsnorm_rope_gate(
     the rest is normalised only.
 
     Returns new contiguous ``(q, k, gate)``: ``[T, heads * head_dim]`` in the
-    input dtype; ``gate`` is the raw (pre-sigmoid) gate.  Invalid arguments
+    input dtype (for one token, q and k are disjoint views of one new buffer);
+    ``gate`` is the raw (pre-sigmoid) gate.  Invalid arguments
     raise ``ValueError`` under the same conditions as vLLM's kernel.
     """
     _check_fused_args(q_gate, k, q_weight, k_weight, cos_sin_cache, positions, rotary_dim, head_dim, mrope_section)
-    tokens, dtype = q_gate.shape[0], q_gate.dtype
-    q_out = torch.empty((tokens, num_q_heads * head_dim), dtype=dtype, device=q_gate.device)
+    tokens, dtype, device = q_gate.shape[0], q_gate.dtype, q_gate.device
     if tokens == 0:
+        q_out = torch.empty((0, num_q_heads * head_dim), dtype=dtype, device=device)
         return q_out, torch.empty((0, num_kv_heads * head_dim), dtype=dtype, device=k.device), torch.empty_like(q_out)
+    # One pass over the q and k heads together: [T, Hq + Hkv, D], copied to float32 by the cat.
     heads = q_gate.reshape(tokens, num_q_heads, 2, head_dim)
-    cos, sin = _cos_sin(cos_sin_cache, positions, rotary_dim, mrope_section)
-    q_out.view(tokens, num_q_heads, head_dim).copy_(
-        _norm_rotate(heads[:, :, 0], q_weight, cos, sin, eps, norm_beta, rotary_dim)
-    )
-    k_out = _norm_rotate(
-        k.reshape(tokens, num_kv_heads, head_dim), k_weight, cos, sin, eps, norm_beta, rotary_dim
-    ).view(tokens, num_kv_heads * head_dim)
-    gate_out = torch.empty_like(q_out)
+    both = num_q_heads + num_kv_heads
+    x32 = torch.empty((tokens, both, head_dim), dtype=torch.float32, device=device)
+    into(x32, torch.cat, (heads[:, :, 0], k.reshape(tokens, num_kv_heads, head_dim)), 1)
+    normed = torch.empty((tokens, both, head_dim), dtype=dtype, device=device)
+    normalize_into(x32, _head_weights(q_weight, k_weight, norm_beta, num_q_heads, num_kv_heads), eps, normed, own=True)
+    # NeoX rotation of the rounded heads in float32, rounded once more, in place:
+    # [x1 | x2] * [cos | cos] + [x2 | x1] * [-sin | sin]  (x1*cos - x2*sin, x2*cos + x1*sin)
+    cos2, signed_sin = _rotation(cos_sin_cache, positions, rotary_dim, mrope_section)
+    rot = normed[..., :rotary_dim]
+    swapped = rot.roll(rotary_dim // 2, dims=-1)
+    into(rot, torch.add, torch.mul(rot, cos2), torch.mul(swapped, signed_sin))
+    # contiguous() copies only when the rows interleave (more than one token)
+    q_out = normed[:, :num_q_heads].reshape(tokens, num_q_heads * head_dim).contiguous()
+    k_out = normed[:, num_q_heads:].reshape(tokens, num_kv_heads * head_dim).contiguous()
+    gate_out = torch.empty((tokens, num_q_heads * head_dim), dtype=dtype, device=device)
     gate_out.view(tokens, num_q_heads, head_dim).copy_(heads[:, :, 1])
     return q_out, k_out, gate_out
+
+
+def _head_weights(q_weight, k_weight, beta, num_q_heads, num_kv_heads):
+    """float32 ``w + beta`` per head ``[Hq + Hkv, D]``, prepared once per weight pair."""
+
+    def make():
+        q = (q_weight.to(torch.float32) + beta).expand(num_q_heads, -1)
+        k = (k_weight.to(torch.float32) + beta).expand(num_kv_heads, -1)
+        return torch.cat((q, k), dim=0)
+
+    return prepared(("qk", beta, num_q_heads, num_kv_heads), (q_weight, k_weight), make)
+
+
+def _rotation(cache, positions, rotary_dim, mrope_section):
+    """float32 ``[cos | cos]`` and ``[-sin | sin]``, ``[T, 1, rotary_dim]`` each."""
+    if positions.ndim == 1:
+        half = rotary_dim // 2
+
+        def make():
+            cos = cache[:, :half].to(torch.float32)
+            sin = cache[:, half:rotary_dim].to(torch.float32)
+            return torch.cat((cos, cos, -sin, sin), dim=-1)
+
+        # [max_pos, 2 * rotary_dim], prepared once per cache
+        rows = prepared(("rope", rotary_dim), (cache,), make).index_select(0, positions).unsqueeze(1)
+        return rows[..., :rotary_dim], rows[..., rotary_dim:]
+    cos, sin = _cos_sin(cache, positions, rotary_dim, mrope_section)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def _check_fused_args(q_gate, k, q_weight, k_weight, cache, positions, rotary_dim, head_dim, mrope_section):
@@ -165,16 +202,3 @@ def _cos_sin(cache: torch.Tensor, positions: torch.Tensor, rotary_dim: int, mrop
         pos = torch.where(use_h, pos[1], torch.where(use_w, pos[2], pos[0]))  # [T, half]
         cos, sin = cache[pos, pair], cache[pos, pair + half]
     return cos.to(torch.float32).unsqueeze(1), sin.to(torch.float32).unsqueeze(1)
-
-
-def _norm_rotate(x, weight, cos, sin, eps, norm_beta, rotary_dim):
-    """``[T, H, D]`` heads: RMS norm rounded to ``x.dtype``, then float32 NeoX rotation rounded again."""
-    half = rotary_dim // 2
-    normed = gemma_rows_f32(x.to(torch.float32), weight, eps, norm_beta).to(x.dtype)
-    out = torch.empty(normed.shape, dtype=x.dtype, device=x.device)
-    out[..., rotary_dim:] = normed[..., rotary_dim:]
-    x1 = normed[..., :half].to(torch.float32)
-    x2 = normed[..., half:rotary_dim].to(torch.float32)
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:rotary_dim] = x2 * cos + x1 * sin
-    return out
