@@ -117,7 +117,7 @@ def count_then_wait(name: str, n: int) -> dict:
 
     serve()
     reports = os.environ["DRAMA3_PATCHES_REPORT_DIR"]
-    path = os.path.join(reports, f"{os.getpid()}.json")
+    path = os.path.join(reports, f"{state.host_label()}-{os.getpid()}.json")
     for _ in range(n):
         state.count(name)
     right_after = json.loads(Path(path).read_text()).get("counts")
