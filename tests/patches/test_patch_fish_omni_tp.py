@@ -201,6 +201,35 @@ def test_ranks_take_rank0_codes_and_frame_drift_fails_loudly():
         assert run["steps_checked"] == 2  # both steps compared (the second one then raised)
 
 
+def drift_fault_child() -> str:
+    """One rank: one step of identical frames through the patched model state, under the test-only
+    drift fault."""
+    import torch
+    from types import SimpleNamespace
+
+    from support.vllm_state import join_tp_group
+
+    join_tp_group()
+    from vllm_omni.model_executor.models.fish_omni import model_state as ms
+
+    state = object.__new__(ms.FishOmniModelState)
+    state.buffers = SimpleNamespace(sampled_frames=torch.arange(22).reshape(2, 11))
+    state._valid_rows, state._partitioned = [True, True], False
+    try:
+        state.postprocess_model_output(torch.zeros(2, 4), SimpleNamespace(num_reqs=2), None)
+        return "passed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_the_drift_fault_makes_the_last_rank_differ_on_identical_frames():
+    """DRAMA3_PATCHES_FAULT=tp-drift (validate's negative control): the check names rank 1 at step 0."""
+    runs = call_ranks(drift_fault_child, 2, env=_env(DRAMA3_PATCHES_TP_CHECK="1", DRAMA3_PATCHES_FAULT="tp-drift"),
+                      pythonpath=PIL_QWEN2VL_PATH, timeout=900)
+    for run in runs:
+        assert run.startswith("TensorParallelDrift: step 0: ") and "rank(s) [1] differ" in run, run
+
+
 def test_frames_check_is_off_by_default():
     r0, r1 = call_ranks(agreement_child, 2, env=_env(), pythonpath=PIL_QWEN2VL_PATH, timeout=900)
     assert r0["second_step"] == r1["second_step"] == "passed"  # rank 1's frame differs, unchecked
