@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from support.checkpoints import DRAMA3_DECODER
+from drama3_patches.tools.tiny_model import DRAMA3_DECODER
 
 __all__ = ["CALLS_PER_FRAME", "tower_calls"]
 
