@@ -82,8 +82,10 @@ def constant(value: float, device) -> torch.Tensor:
 
 
 def into(out: torch.Tensor, op, *args) -> torch.Tensor:
-    """``op(*args, out=out)``; where autograd records a graph (``out=`` cannot be recorded), the same
-    values through a copy."""
+    """``op(*args, out=out)``; where autograd records a graph or Dynamo traces one (neither takes a
+    strided ``out=``), the same values through a copy."""
+    if torch.compiler.is_compiling():
+        return out.copy_(op(*args))
     flat = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))]
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
         return out.copy_(op(*args))

@@ -32,8 +32,10 @@ def rotate(
         x1, x2 = x[..., :half], x[..., half:rotary_dim]
     else:
         x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
-        # Autograd cannot record out= arguments: same arithmetic, out of place.
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)):
+        # Autograd cannot record out= arguments, nor Dynamo trace strided ones: same arithmetic,
+        # out of place.
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
         if is_neox_style:
