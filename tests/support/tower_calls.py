@@ -1,6 +1,6 @@
 """The eager kernels' calls in one decode frame of Drama 3's codebook tower and frame sampler.
 
-Shapes are the published config's (``support.checkpoints.DRAMA3_DECODER``: width 2048, 16 query /
+Shapes are the published config's (``drama3_patches.tools.tiny_model.DRAMA3_DECODER``: width 2048, 16 query /
 2 KV heads of 256, rotary 64, 4,096 codes, 10 codebooks, 4 shared + 9 per-codebook layers) with
 the argument kinds vLLM-Omni 0.32.0rc1's ``fish_omni`` passes (``codebook_tower.py``,
 ``sampling.py``, ``fish_omni_model.py``): bfloat16 activations and norm weights, ``q_gate`` and
