@@ -130,9 +130,21 @@ def apply_on_npu(monkeypatch, patch_id: str):
     return apply_checked(patch_id)
 
 
+def _forget_versions() -> None:
+    # Installed versions are looked up once per process (drama3_patches.versions); a fork
+    # inherits what its parent saw before the stand-ins went on sys.path.
+    import importlib
+
+    from drama3_patches import versions
+
+    importlib.invalidate_caches()
+    versions.clear_cache()
+
+
 def prepend_profiles(*names: str) -> None:
     """Forked tests: the profiles first on sys.path, for the rest of the process."""
     sys.path[:0] = [str(p) for p in profile_paths(*names)]
+    _forget_versions()
 
 
 @contextlib.contextmanager
@@ -144,10 +156,12 @@ def on_sys_path(*names: str):
     saved = list(sys.path)
     before = set(sys.modules)
     sys.path[:0] = roots
+    _forget_versions()
     try:
         yield roots
     finally:
         sys.path[:] = saved
+        _forget_versions()
         for name in set(sys.modules) - before:
             origin = getattr(sys.modules[name], "__file__", None) or ""
             if any(origin.startswith(root) for root in roots):
