@@ -16,6 +16,8 @@ REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
 MANIFEST = "DRAMA3_PATCHES_MANIFEST"
 TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
 RESUME_CHECK = "DRAMA3_PATCHES_RESUME_CHECK"
+# On by default: set off, the eager kernels skip torch-npu's fused norms (drama3_patches.kernels.npu_fused).
+NPU_FUSED = "DRAMA3_PATCHES_NPU_FUSED"
 # Test-only fault injection: a runtime check that never saw its fault cannot be trusted to pass.
 FAULT = "DRAMA3_PATCHES_FAULT"
 FAULTS = ("parked-history", "tp-drift")
@@ -91,6 +93,14 @@ def tp_check() -> bool:
 def resume_check() -> bool:
     """Verify that a resumed request is fed back the frames it had when preempted (off by default)."""
     return parse_flag(RESUME_CHECK)
+
+
+def npu_fused() -> bool:
+    """Whether the eager kernels may use torch-npu's fused norms on an NPU: unset or empty is on
+    (the default), a bad value warns once and counts as off, like every flag here."""
+    if not os.environ.get(NPU_FUSED, "").strip():
+        return True
+    return parse_flag(NPU_FUSED)
 
 
 def fault(name: str) -> bool:

@@ -23,6 +23,10 @@ form ``x.to(float32)`` ... ``.to(dtype)``):
   (``pow`` with a one-element float32 exponent squares exactly: checked on every finite
   bfloat16 and float16 value; ``addcmul(a, b, one)`` is ``a + b`` in float32);
 * the last product is written with ``out=`` straight into the low-precision result.
+
+On an NPU with torch-npu's fused norms (``npu_fused``; never on CPU) each row normalisation is
+one fused op instead, with ``1 + weight`` rounded once to the activation dtype
+(``fused_gamma``): the same formula to bfloat16 tolerance, not bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ import weakref
 
 import torch
 
-__all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm", "prepared", "constant", "into"]
+from . import npu_fused
+
+__all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm", "prepared", "constant", "into",
+           "fused_gamma"]
 
 _LOW = (torch.bfloat16, torch.float16)
 _F32 = torch.float32
@@ -97,6 +104,12 @@ def weight_f32(weight: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
     return prepared(("w", beta), (weight,), lambda: weight.to(_F32) + beta)
 
 
+def fused_gamma(weight: torch.Tensor, dtype, beta: float = 1.0) -> torch.Tensor:
+    """``weight + beta`` formed in float32 and rounded once to ``dtype`` (the fused ops take gamma
+    in the activation dtype), prepared once per weight."""
+    return prepared(("gamma", beta, dtype), (weight,), lambda: (weight.to(_F32) + beta).to(dtype))
+
+
 def gemma_rows_f32(x32: torch.Tensor, weight: torch.Tensor, eps: float, beta: float = 1.0) -> torch.Tensor:
     """Normalise float32 rows ``[..., D]`` with ``weight + beta`` (Gemma: 1); a new float32 tensor
     (``x32`` may be the caller's)."""
@@ -138,6 +151,9 @@ def gemma_rms_norm(
     ``weight`` ``[D]`` of any float dtype; ``residual`` shaped like ``x``.
     Results are new tensors in ``x.dtype``; inputs are not modified.
     """
+    fused = npu_fused.for_tensor(x)
+    if fused is not None and (residual is None or residual.dtype == x.dtype):
+        return _fused_gemma(fused, x, weight, eps, residual)
     w32 = weight_f32(weight)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is None:
@@ -148,6 +164,14 @@ def gemma_rms_norm(
         return normalize_into(s32, w32, eps, out), s32
     summed = s32.to(x.dtype)
     return normalize_into(s32, w32, eps, out, own=True), summed
+
+
+def _fused_gemma(fused, x, weight, eps, residual):
+    # one fused op: the norm, or with a residual the sum (in x's dtype) and the norm of it
+    gamma = fused_gamma(weight, x.dtype)
+    if residual is None:
+        return fused.rms_norm(x, gamma, eps)
+    return fused.add_rms_norm(x, residual, gamma, eps)
 
 
 def _masked_rows(x, code, code_mask, table) -> torch.Tensor:
@@ -168,6 +192,21 @@ def _masked_rows(x, code, code_mask, table) -> torch.Tensor:
     return torch.mul(rows, mask32).add_(x)
 
 
+def _masked_rows_as(dtype, code, code_mask, table) -> torch.Tensor:
+    """``code_mask * table[clamp(code)]`` ``[rows, D]`` in ``dtype``, for the fused sum with ``x``.
+
+    The mask is 0/1, so multiplying in ``dtype`` is exact: the rows the fused op adds are the
+    ones the eager path adds in float32 (a bool mask multiplies without a cast).
+    """
+    rows = table.index_select(0, code.reshape(-1).clamp(0, table.shape[0] - 1))
+    if rows.dtype != dtype:
+        rows = rows.to(dtype)
+    mask = code_mask.reshape(-1, 1)
+    if mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    return torch.mul(rows, mask)
+
+
 def gemma_rms_norm_table(
     x: torch.Tensor,
     code: torch.Tensor,
@@ -181,6 +220,10 @@ def gemma_rms_norm_table(
     ``x`` ``[rows, D]``; ``code`` and ``code_mask`` one entry per row; ``table``
     ``[codes, D]``.
     """
+    fused = npu_fused.for_tensor(x)
+    if fused is not None:
+        rows = _masked_rows_as(x.dtype, code, code_mask, table)
+        return fused.add_rms_norm(x, rows, fused_gamma(weight, x.dtype), eps)
     s32 = _masked_rows(x, code, code_mask, table)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     w32 = weight_f32(weight)
@@ -208,13 +251,25 @@ def tower_mix_norm(
     """
     rows, dim = hidden.shape
     dtype = hidden.dtype
-    emb = torch.empty((rows, dim), dtype=dtype, device=hidden.device)
+    emb = _code_embedding(hidden, code, code_mask, table, extra)
+    fused = npu_fused.for_tensor(hidden)
+    if fused is not None:
+        # one fused norm per half; the cat writes both into the [rows, 2 * D] result
+        return torch.cat((fused.rms_norm(emb, fused_gamma(enorm_weight, dtype), eps),
+                          fused.rms_norm(hidden, fused_gamma(hnorm_weight, dtype), eps)), dim=-1)
+    out = torch.empty((rows, 2 * dim), dtype=dtype, device=hidden.device)
+    normalize_into(_f32_operand(emb), weight_f32(enorm_weight), eps, out[:, :dim])
+    normalize_into(_f32_operand(hidden), weight_f32(hnorm_weight), eps, out[:, dim:])
+    return out
+
+
+def _code_embedding(hidden, code, code_mask, table, extra) -> torch.Tensor:
+    """``code_mask * table[code] (+ extra)`` in ``hidden.dtype``, rounded where the published
+    kernel stores it: after the masked row, and again after adding ``extra``."""
+    emb = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     index = code.reshape(-1).clamp(0, table.shape[0] - 1)
     into(emb, torch.mul, table.index_select(0, index), code_mask.reshape(-1, 1).to(_F32))
     if extra is not None:
         # float32 emb + extra, rounded again into emb (out= may be an input of the same elements)
         into(emb, torch.addcmul, emb, _f32_operand(extra), constant(1.0, hidden.device))
-    out = torch.empty((rows, 2 * dim), dtype=dtype, device=hidden.device)
-    normalize_into(_f32_operand(emb), weight_f32(enorm_weight), eps, out[:, :dim])
-    normalize_into(_f32_operand(hidden), weight_f32(hnorm_weight), eps, out[:, dim:])
-    return out
+    return emb

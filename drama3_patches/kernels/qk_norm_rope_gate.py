@@ -12,13 +12,18 @@
 
 The two differ by the rotation's precision (up to an ulp of the activation
 dtype); neither is a stand-in for the other.
+
+On an NPU with torch-npu's fused norms (``npu_fused``) both normalise with them (each head
+group one fused op, gamma rounded to the activation dtype): to bfloat16 tolerance of the
+eager numerics above, which every other device keeps bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .norms import gemma_rms_norm, into, normalize_into, prepared
+from . import npu_fused
+from .norms import fused_gamma, gemma_rms_norm, into, normalize_into, prepared
 from .rope import apply_rope
 
 __all__ = ["fused_qk_rmsnorm_rope_gate", "qk_norm_rope_gate"]
@@ -113,13 +118,16 @@ def fused_qk_rmsnorm_rope_gate(
     if tokens == 0:
         q_out = torch.empty((0, num_q_heads * head_dim), dtype=dtype, device=device)
         return q_out, torch.empty((0, num_kv_heads * head_dim), dtype=dtype, device=k.device), torch.empty_like(q_out)
-    # One pass over the q and k heads together: [T, Hq + Hkv, D], copied to float32 by the cat.
     heads = q_gate.reshape(tokens, num_q_heads, 2, head_dim)
-    both = num_q_heads + num_kv_heads
-    x32 = torch.empty((tokens, both, head_dim), dtype=torch.float32, device=device)
-    into(x32, torch.cat, (heads[:, :, 0], k.reshape(tokens, num_kv_heads, head_dim)), 1)
-    normed = torch.empty((tokens, both, head_dim), dtype=dtype, device=device)
-    normalize_into(x32, _head_weights(q_weight, k_weight, norm_beta, num_q_heads, num_kv_heads), eps, normed, own=True)
+    k_heads = k.reshape(tokens, num_kv_heads, head_dim)
+    fused = npu_fused.for_tensor(q_gate)
+    if fused is None:
+        normed = _normed_heads(heads[:, :, 0], k_heads, q_weight, k_weight, norm_beta, eps)
+    else:
+        # one fused op per head group (q and k have their own gamma), joined for the rotation
+        q_normed = fused.rms_norm(heads[:, :, 0], fused_gamma(q_weight, dtype, norm_beta), eps)
+        k_normed = fused.rms_norm(k_heads, fused_gamma(k_weight, dtype, norm_beta), eps)
+        normed = torch.cat((q_normed, k_normed), dim=1)
     # NeoX rotation of the rounded heads in float32, rounded once more, in place:
     # [x1 | x2] * [cos | cos] + [x2 | x1] * [-sin | sin]  (x1*cos - x2*sin, x2*cos + x1*sin)
     cos2, signed_sin = _rotation(cos_sin_cache, positions, rotary_dim, mrope_section)
@@ -132,6 +140,19 @@ def fused_qk_rmsnorm_rope_gate(
     gate_out = torch.empty((tokens, num_q_heads * head_dim), dtype=dtype, device=device)
     gate_out.view(tokens, num_q_heads, head_dim).copy_(heads[:, :, 1])
     return q_out, k_out, gate_out
+
+
+def _normed_heads(q_heads, k_heads, q_weight, k_weight, beta, eps):
+    """Eager: q and k heads ``[T, Hq + Hkv, D]`` normalised in float32, rounded once to their dtype."""
+    tokens, num_q_heads, head_dim = q_heads.shape
+    num_kv_heads = k_heads.shape[1]
+    both = num_q_heads + num_kv_heads
+    # One pass over the q and k heads together: [T, Hq + Hkv, D], copied to float32 by the cat.
+    x32 = torch.empty((tokens, both, head_dim), dtype=torch.float32, device=q_heads.device)
+    into(x32, torch.cat, (q_heads, k_heads), 1)
+    normed = torch.empty((tokens, both, head_dim), dtype=q_heads.dtype, device=q_heads.device)
+    weights = _head_weights(q_weight, k_weight, beta, num_q_heads, num_kv_heads)
+    return normalize_into(x32, weights, eps, normed, own=True)
 
 
 def _head_weights(q_weight, k_weight, beta, num_q_heads, num_kv_heads):
