@@ -381,7 +381,8 @@ def test_eager_kernels_leave_their_inputs_alone():
 def test_eager_kernels_on_ascend_match_cpu():
     """On an Ascend host: each eager kernel on NPU tensors matches the same kernel on CPU: the same tokens,
     bf16 within 2 ulp of each row's largest value (the NPU sums float32 rows in its own order, and the
-    fused QK rounds an intermediate)."""
+    fused QK rounds an intermediate). Where torch_npu has the fused norms the NPU side takes them
+    (``kernels.npu_fused``; tests/hardware/test_npu_fused_norms.py compares the two NPU paths)."""
     # A fresh interpreter: the device runtime must not start in the test process, which forks.
     r = call(eager_kernels_on_the_npu, timeout=600)
     assert r.pop("draw_same") is True

@@ -35,8 +35,12 @@ CALLS_PER_FRAME = {
 }
 
 
-def tower_calls(batch: int, seed: int = 0, dtype=torch.bfloat16) -> dict:
-    """``{name: (kernel, args, kwargs)}`` for each entry of ``CALLS_PER_FRAME`` at ``batch`` rows."""
+def tower_calls(batch: int, seed: int = 0, dtype=torch.bfloat16, device=None) -> dict:
+    """``{name: (kernel, args, kwargs)}`` for each entry of ``CALLS_PER_FRAME`` at ``batch`` rows.
+
+    ``device``: the same values, drawn on the CPU and moved there (``q_gate`` and ``k`` stay
+    column slices of one qkv tensor on it).
+    """
     from drama3_patches.kernels import gating, norms, sampling
     from drama3_patches.kernels.qk_norm_rope_gate import fused_qk_rmsnorm_rope_gate
 
@@ -54,7 +58,6 @@ def tower_calls(batch: int, seed: int = 0, dtype=torch.bfloat16) -> dict:
     code = torch.randint(0, codes, (batch,), generator=g)
     mask = torch.rand(batch, generator=g) > 0.2
     qkv = randn(batch, 2 * heads * head_dim + 2 * kv * head_dim, scale=2.0)
-    q_gate, k = qkv[:, : 2 * heads * head_dim], qkv[:, 2 * heads * head_dim: (2 * heads + kv) * head_dim]
     hw, kw = randn(head_dim, scale=0.3), randn(head_dim, scale=0.3)
     cache = torch.randn(4096, rotary, generator=g)
     pos = torch.randint(0, 4096, (batch,), generator=g)
@@ -65,6 +68,12 @@ def tower_calls(batch: int, seed: int = 0, dtype=torch.bfloat16) -> dict:
     top_p = torch.rand(batch, generator=g) * 0.9 + 0.1
     noise = torch.rand(batch, _DRAWS, max_top_k, generator=g)
     candidate_ids = torch.randperm(codes, generator=g) + 248000
+    if device is not None:
+        (x, res, extra, w, w2, table, code, mask, qkv, hw, kw, cache, pos, attn, gate, logits, temperature, top_k,
+         top_p, noise, candidate_ids) = (t.to(device) for t in (
+            x, res, extra, w, w2, table, code, mask, qkv, hw, kw, cache, pos, attn, gate, logits, temperature,
+            top_k, top_p, noise, candidate_ids))
+    q_gate, k = qkv[:, : 2 * heads * head_dim], qkv[:, 2 * heads * head_dim: (2 * heads + kv) * head_dim]
     top = torch.topk(logits, max_top_k, dim=-1)
     return {
         "fused_qk_rmsnorm_rope_gate": (fused_qk_rmsnorm_rope_gate,

@@ -1,0 +1,118 @@
+"""torch-npu's fused RMSNorm ops in the eager tower kernels, on the card (``pytest -m npu``).
+
+The tower's calls at the published shapes (``support.tower_calls``, batch 1 and 64) run on the NPU
+twice: on the fused path (``drama3_patches.kernels.npu_fused`` finds ``npu_rms_norm`` and
+``npu_add_rms_norm``) and on the eager path (``DRAMA3_PATCHES_NPU_FUSED=0``). The results must
+agree within the tolerance, and the frame's launches stay within the budget, that
+tests/kernels/test_npu_fused_path.py holds the CPU stand-ins to (both from ``support.fused_path``).
+
+Each check runs in a fresh interpreter (``subproc.call``): the device runtime never starts in
+the test process, which forks for other tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support.subproc import call
+from support.tiers import TORCH_ABSENT
+
+pytest.importorskip("torch", reason=TORCH_ABSENT)
+from support.fused_path import BATCHES, PER_FRAME  # noqa: E402  (imports torch)
+
+pytestmark = pytest.mark.npu
+
+
+def _fused_or_skip(out: dict) -> None:
+    if not out["fused"]:
+        pytest.skip(f"torch_npu {out['torch_npu']} has no npu_rms_norm/npu_add_rms_norm: the kernels stay eager")
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=[f"batch{b}" for b in BATCHES])
+def test_fused_norms_on_the_card_agree_with_the_eager_path_at_tower_shapes(batch):
+    out = call(fused_against_eager, batch)
+    _fused_or_skip(out)
+    assert out["mismatches"] == {}, out["deviation"]
+    # the residual variants' sums (x + residual, or + the masked code row, in x's dtype) and the gate
+    assert out["other_mismatches"] == {}, out["deviation"]
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=[f"batch{b}" for b in BATCHES])
+def test_fused_path_launches_per_frame_on_the_card_within_the_budget(batch):
+    out = call(launches_on_card, batch)
+    _fused_or_skip(out)
+    assert out["fused_ops"] > 0, out["per_call"]  # the fused path ran
+    assert out["frame"] <= PER_FRAME[batch], out["per_call"]
+
+
+def _torch_npu_state() -> dict:
+    import torch
+    import torch_npu
+
+    from drama3_patches.kernels import npu_fused
+
+    return {"fused": npu_fused.fused_norms(torch.device("npu")) is not None,
+            "torch_npu": getattr(torch_npu, "__version__", "?")}
+
+
+def _run(calls: dict, names) -> dict:
+    import torch
+
+    out = {}
+    for name in names:
+        kernel, args, kwargs = calls[name]
+        result = kernel(*args, **kwargs)
+        out[name] = [t.cpu() for t in (result if isinstance(result, tuple) else (result,))]
+    torch.npu.synchronize()
+    return out
+
+
+def fused_against_eager(batch: int) -> dict:
+    """Each norm call's outputs on the fused path and with the opt-out set, compared on the host."""
+    from drama3_patches import env
+    from support.fused_path import FUSED_KERNELS, assert_bf16_close
+    from support.tower_calls import tower_calls
+
+    out = _torch_npu_state()
+    if not out["fused"]:
+        return out
+    calls = tower_calls(batch, device="npu")
+    fused = _run(calls, FUSED_KERNELS)
+    os.environ[env.NPU_FUSED] = "0"
+    try:
+        eager = _run(calls, FUSED_KERNELS)
+    finally:
+        del os.environ[env.NPU_FUSED]
+    out.update(mismatches={}, other_mismatches={}, deviation={})
+    for name in FUSED_KERNELS:
+        # normalised outputs: q and k of the QK kernel, the first of the others; then sums and gate
+        normalised = 2 if name == "fused_qk_rmsnorm_rope_gate" else 1
+        for i, (got, want) in enumerate(zip(fused[name], eager[name])):
+            key = f"{name}[{i}]"
+            out["deviation"][key] = (got.float() - want.float()).abs().max().item()
+            try:
+                assert_bf16_close(got, want)
+            except AssertionError as exc:
+                out["mismatches" if i < normalised else "other_mismatches"][key] = str(exc)
+    return out
+
+
+def launches_on_card(batch: int) -> dict:
+    """Per-call launches on the fused path, counted by ``support.launches`` on NPU tensors."""
+    from support.fused_path import frame_launches
+    from support.launches import count
+    from support.tower_calls import tower_calls
+
+    out = _torch_npu_state()
+    if not out["fused"]:
+        return out
+    counts = {}
+    for name, (kernel, args, kwargs) in tower_calls(batch, device="npu").items():
+        kernel(*args, **kwargs)  # first call: prepares the gammas
+        counts[name] = count(kernel, *args, **kwargs)
+    out["per_call"] = {name: dict(c.by_op) for name, c in counts.items()}
+    out["fused_ops"] = sum(n for c in counts.values() for op, n in c.by_op.items() if "rms_norm" in op)
+    out["frame"] = frame_launches(counts)
+    return out

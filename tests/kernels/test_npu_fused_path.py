@@ -1,0 +1,316 @@
+"""The eager tower kernels' fused-norm path (``drama3_patches.kernels.npu_fused``), run on the CPU.
+
+torch-npu's ``npu_rms_norm`` and ``npu_add_rms_norm`` are stood in for by two custom ops
+(namespace ``drama3_test``) computing their formula in float32, each registered as one op, so
+``support.launches`` counts one launch per fused op, as on the card. With the detection
+monkeypatched to a backend built on them, the kernels take the path they take on an NPU:
+
+(a) at the tower's published shapes (``support.tower_calls``), batch 1 and 64, every result agrees
+    with the eager path's within bfloat16 tolerance, and the residual sums are the eager ones;
+(b) the launches per call and per frame stay within ``support.fused_path`` (the budget the
+    card is held to in tests/hardware/test_npu_fused_norms.py);
+(c) the detection answers None for CPU tensors, for an ``npu`` device without torch-npu's ops
+    and under ``DRAMA3_PATCHES_NPU_FUSED=0``, and never imports torch_npu for a CPU tensor.
+
+The CPU path itself is held bit for bit and launch for launch by test_kernels_fish_omni.py and
+test_launch_budget.py.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import types
+
+import pytest
+
+from support.tiers import TORCH_ABSENT
+
+torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
+from torch import Tensor  # noqa: E402
+
+from drama3_patches import env  # noqa: E402
+from drama3_patches.kernels import norms, npu_fused  # noqa: E402
+from support.fused_path import (  # noqa: E402
+    BATCHES, FUSED_KERNELS, PER_CALL, PER_FRAME, assert_bf16_close, budget, frame_launches)
+from support.launches import count  # noqa: E402
+from support.tower_calls import CALLS_PER_FRAME, tower_calls  # noqa: E402
+
+# which fused ops each call makes on the fused path
+FUSED_OPS = {
+    "fused_qk_rmsnorm_rope_gate": {"fused_rms_norm": 2},
+    "gemma_rms_norm": {"fused_rms_norm": 1},
+    "gemma_rms_norm+residual": {"fused_add_rms_norm": 1},
+    "gemma_rms_norm_table": {"fused_add_rms_norm": 1},
+    "tower_mix_norm": {"fused_rms_norm": 2},
+}
+# the eager norm's own ops: none of them may run where a fused op replaced it
+EAGER_NORM_OPS = {"pow", "mean", "rsqrt", "rsqrt_"}
+
+
+# -- the stand-in ops ----------------------------------------------------------------------------
+
+
+def _check_operands(x: Tensor, gamma: Tensor) -> None:
+    # What the kernels promise the fused ops: dense rows and gamma in the activation dtype.
+    if not x.is_contiguous():
+        raise ValueError("the stand-in fused norm takes dense rows")
+    if gamma.dtype != x.dtype:
+        raise TypeError(f"gamma is {gamma.dtype}, rows are {x.dtype}")
+
+
+def _normalise(s32: Tensor, gamma: Tensor, eps: float, dtype) -> tuple[Tensor, Tensor]:
+    dims = tuple(range(-gamma.dim(), 0))  # over gamma's trailing shape
+    rstd = torch.rsqrt(s32.pow(2).mean(dims, keepdim=True) + eps)
+    return (s32 * rstd * gamma.to(torch.float32)).to(dtype), rstd
+
+
+@torch.library.custom_op("drama3_test::fused_rms_norm", mutates_args=(), device_types="cpu")
+def fused_rms_norm(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    _check_operands(x, gamma)
+    return _normalise(x.to(torch.float32), gamma, epsilon, x.dtype)
+
+
+@torch.library.custom_op("drama3_test::fused_add_rms_norm", mutates_args=(), device_types="cpu")
+def fused_add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_operands(x1, gamma)
+    _check_operands(x2, gamma)
+    s32 = x1.to(torch.float32) + x2.to(torch.float32)
+    y, rstd = _normalise(s32, gamma, epsilon, x1.dtype)
+    return y, rstd, s32.to(x1.dtype)
+
+
+STAND_IN = npu_fused.FusedNorms(torch.ops.drama3_test.fused_rms_norm, torch.ops.drama3_test.fused_add_rms_norm)
+
+
+def _with_stand_in(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(npu_fused, "fused_norms", lambda device: STAND_IN)
+
+
+def _outputs(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+# -- (a) results ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=BATCHES, ids=[f"batch{b}" for b in BATCHES])
+def both_paths(request):
+    """``(eager, fused)`` results of each fused-path kernel on the same arguments."""
+    calls = tower_calls(request.param)
+    eager = {name: _outputs(calls[name][0](*calls[name][1], **calls[name][2])) for name in FUSED_KERNELS}
+    with pytest.MonkeyPatch.context() as mp:
+        _with_stand_in(mp)
+        fused = {name: _outputs(calls[name][0](*calls[name][1], **calls[name][2])) for name in FUSED_KERNELS}
+    return eager, fused
+
+
+@pytest.mark.parametrize("name", FUSED_KERNELS)
+def test_fused_path_agrees_with_the_eager_path_within_bfloat16_tolerance(both_paths, name):
+    eager, fused = both_paths
+    assert len(fused[name]) == len(eager[name])
+    # the normalised rows: the first output (q, k as well for the fused QK kernel)
+    normalised = 2 if name == "fused_qk_rmsnorm_rope_gate" else 1
+    for got, want in zip(fused[name][:normalised], eager[name][:normalised]):
+        assert_bf16_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["gemma_rms_norm+residual", "gemma_rms_norm_table"])
+def test_fused_residual_variants_return_the_eager_sum(both_paths, name):
+    # x + residual (or + the masked code row) rounded once to x's dtype, as the eager path returns it
+    eager, fused = both_paths
+    assert len(fused[name]) == 2
+    assert torch.equal(fused[name][1], eager[name][1])
+
+
+def test_fused_qk_copies_the_raw_gate_as_the_eager_path_does(both_paths):
+    eager, fused = both_paths
+    assert torch.equal(fused["fused_qk_rmsnorm_rope_gate"][2], eager["fused_qk_rmsnorm_rope_gate"][2])
+
+
+def test_tolerance_tells_a_wrong_gamma_apart():
+    """The fused path's gamma is ``1 + w``: a gamma of ``w`` alone fails the comparison above."""
+    x, w = tower_calls(1)["gemma_rms_norm"][1][:2]
+    want = norms.gemma_rms_norm(x, w, 1e-6)
+    assert_bf16_close(STAND_IN.rms_norm(x, norms.fused_gamma(w, x.dtype), 1e-6), want)
+    with pytest.raises(AssertionError):
+        assert_bf16_close(STAND_IN.rms_norm(x, w, 1e-6), want)
+
+
+def test_fused_gamma_follows_in_place_weight_changes(monkeypatch):
+    """The ``1 + w`` prepared in the activation dtype is rebuilt when the weight changes in place."""
+    _with_stand_in(monkeypatch)
+    x, w = torch.randn(3, 16).to(torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16)
+    first = norms.gemma_rms_norm(x, w, 1e-6)
+    w.add_(1.0)  # 1 + w doubles, exactly
+    assert torch.equal(norms.gemma_rms_norm(x, w, 1e-6), first * 2)
+
+
+# -- (b) launches --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=BATCHES, ids=[f"batch{b}" for b in BATCHES])
+def counted(request):
+    batch = request.param
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        _with_stand_in(mp)
+        for name, (kernel, args, kwargs) in tower_calls(batch).items():
+            kernel(*args, **kwargs)  # first call: prepares the gammas
+            out[name] = count(kernel, *args, **kwargs)
+    return batch, out
+
+
+def test_every_tower_call_has_a_fused_path_budget():
+    assert set(PER_CALL) == set(CALLS_PER_FRAME) == set(tower_calls(1))
+    assert set(FUSED_KERNELS) < set(PER_CALL)
+
+
+@pytest.mark.parametrize("name", sorted(PER_CALL))
+def test_fused_path_launches_per_call_within_budget(counted, name):
+    batch, counts = counted
+    assert counts[name].launches <= budget(name, batch), (batch, name, dict(counts[name].by_op))
+
+
+def test_fused_path_launches_per_frame_within_budget(counted):
+    batch, counts = counted
+    frame = frame_launches(counts)
+    assert frame <= PER_FRAME[batch], frame
+
+
+@pytest.mark.parametrize("name", FUSED_KERNELS)
+def test_each_norm_is_one_fused_op(counted, name):
+    _, counts = counted
+    ops = counts[name].by_op
+    assert {op: n for op, n in ops.items() if op.startswith("fused_")} == FUSED_OPS[name]
+    assert not EAGER_NORM_OPS & set(ops), dict(ops)
+
+
+def test_fused_path_has_no_host_sync(counted):
+    _, counts = counted
+    assert {name: c.sync_ops for name, c in counts.items() if c.syncs} == {}
+
+
+# -- (c) detection -------------------------------------------------------------------------------
+
+
+class _ImportRecorder(importlib.abc.MetaPathFinder):
+    """Notes every lookup of ``torch_npu`` (and its submodules); finds nothing itself."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch_npu":
+            self.seen.append(name)
+        return None
+
+
+class _Untouchable(types.ModuleType):
+    """A ``torch_npu`` that fails any attribute read: the detection must not look at it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"torch_npu.{name} read for a CPU tensor")
+
+
+def test_detection_is_none_for_cpu_tensors_without_importing_torch_npu(monkeypatch):
+    recorder = _ImportRecorder()
+    monkeypatch.setattr(sys, "meta_path", [recorder, *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(npu_fused, "_BACKENDS", {})
+    assert npu_fused.fused_norms(torch.device("cpu")) is None
+    for name, (kernel, args, kwargs) in tower_calls(1).items():
+        kernel(*args, **kwargs)
+    assert recorder.seen == [] and "torch_npu" not in sys.modules
+    # an imported torch_npu is not consulted for a CPU tensor either
+    monkeypatch.setitem(sys.modules, "torch_npu", _Untouchable("torch_npu"))
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    assert npu_fused.fused_norms(x.device) is None and npu_fused.for_tensor(x) is None
+    assert npu_fused._BACKENDS == {}
+
+
+@pytest.mark.parametrize("raw, on", [(None, True), ("", True), ("1", True), ("on", True), ("0", False),
+                                     ("off", False), ("false", False)])
+def test_opt_out_variable_reads_as_the_contract_says(monkeypatch, raw, on):
+    if raw is not None:
+        monkeypatch.setenv(env.NPU_FUSED, raw)
+    assert env.npu_fused() is on
+
+
+def test_opt_out_variable_with_a_bad_value_warns_and_keeps_the_eager_path(monkeypatch, capsys):
+    monkeypatch.setenv(env.NPU_FUSED, "fast")
+    monkeypatch.setattr(env, "_warned", set())
+    assert env.npu_fused() is False
+    assert env.NPU_FUSED in capsys.readouterr().err
+
+
+def _fake_torch_npu(*names: str) -> tuple[types.ModuleType, list]:
+    """A ``torch_npu`` module holding the stand-in ops under torch-npu's names; calls are noted."""
+    module, calls = types.ModuleType("torch_npu"), []
+    ops = {"npu_rms_norm": torch.ops.drama3_test.fused_rms_norm,
+           "npu_add_rms_norm": torch.ops.drama3_test.fused_add_rms_norm}
+
+    def noting(name):
+        def op(*args):
+            calls.append(name)
+            return ops[name](*args)
+        return op
+
+    for name in names:
+        setattr(module, name, noting(name))
+    return module, calls
+
+
+@pytest.fixture
+def npu_device(monkeypatch):
+    """The simulated ``npu`` device (process-wide: the tests using it fork), a fresh detection cache."""
+    from support import fake_npu
+
+    fake_npu.enable()
+    monkeypatch.setattr(npu_fused, "_BACKENDS", {})
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    return fake_npu
+
+
+@pytest.mark.forked
+def test_on_an_npu_device_the_kernels_use_the_imported_torch_npu_ops(npu_device, monkeypatch):
+    module, calls = _fake_torch_npu("npu_rms_norm", "npu_add_rms_norm")
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    device = torch.device("npu")
+    backend = npu_fused.fused_norms(device)
+    assert isinstance(backend, npu_fused.FusedNorms)
+    assert npu_fused.fused_norms(device) is backend  # found once per device type
+    x, w, eps = tower_calls(4)["gemma_rms_norm"][1]
+    r = tower_calls(4)["gemma_rms_norm+residual"][2]["residual"]
+    got = norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps)
+    got_y, got_sum = norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps, npu_device.to_npu(r))
+    assert calls == ["npu_rms_norm", "npu_add_rms_norm"]
+    assert got.device.type == "npu"
+    assert_bf16_close(got.cpu(), norms.gemma_rms_norm(x, w, eps))
+    want_y, want_sum = norms.gemma_rms_norm(x, w, eps, r)
+    assert_bf16_close(got_y.cpu(), want_y)
+    assert torch.equal(got_sum.cpu(), want_sum)
+
+
+@pytest.mark.forked
+def test_on_an_npu_device_the_opt_out_keeps_the_eager_path(npu_device, monkeypatch):
+    module, calls = _fake_torch_npu("npu_rms_norm", "npu_add_rms_norm")
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setenv(env.NPU_FUSED, "0")
+    assert npu_fused.fused_norms(torch.device("npu")) is None
+    x, w, eps = tower_calls(4)["gemma_rms_norm"][1]
+    got = norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps)
+    assert calls == []
+    assert torch.equal(got.cpu(), norms.gemma_rms_norm(x, w, eps))  # the eager path, bit for bit
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("ops", [(), ("npu_rms_norm",), ("npu_add_rms_norm",)],
+                         ids=["no-torch_npu", "without-add_rms_norm", "without-rms_norm"])
+def test_on_an_npu_device_without_both_ops_the_detection_is_none(npu_device, monkeypatch, ops):
+    if ops:
+        monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(*ops)[0])
+    assert npu_fused.fused_norms(torch.device("npu")) is None
+    x, w, eps = tower_calls(4)["gemma_rms_norm"][1]
+    assert torch.equal(norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps).cpu(),
+                       norms.gemma_rms_norm(x, w, eps))
