@@ -26,7 +26,7 @@ __all__ = ["FUSED_DTYPES", "FusedNorms", "for_tensor", "fused_norms"]
 #: activation dtypes both fused ops take
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OPS = ("npu_rms_norm", "npu_add_rms_norm")
-# device type -> FusedNorms or None, found once per process (torch_npu's ops do not come and go)
+# device type -> FusedNorms or None, found once per process (torch_npu's ops and the opt-out do not change)
 _BACKENDS: dict = {}
 
 
@@ -61,12 +61,13 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 def fused_norms(device) -> FusedNorms | None:
     """The fused norms for tensors on ``device`` (a ``torch.device``), or None for the eager path."""
     kind = device.type
-    if kind != "npu" or not env.npu_fused():
+    if kind != "npu":
         return None
     try:
         return _BACKENDS[kind]
     except KeyError:
-        found = _BACKENDS[kind] = _detect()
+        # the opt-out is read with the ops, once: the kernels run every layer of every frame
+        found = _BACKENDS[kind] = _detect() if env.npu_fused() else None
         return found
 
 
