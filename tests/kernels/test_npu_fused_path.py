@@ -27,12 +27,12 @@ import pytest
 from support.tiers import TORCH_ABSENT
 
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
-from torch import Tensor  # noqa: E402
 
 from drama3_patches import env  # noqa: E402
 from drama3_patches.kernels import norms, npu_fused  # noqa: E402
 from support.fused_path import (  # noqa: E402
     BATCHES, FUSED_KERNELS, PER_CALL, PER_FRAME, assert_bf16_close, budget, frame_launches)
+from support.fused_standin import STAND_IN  # noqa: E402
 from support.launches import count  # noqa: E402
 from support.tower_calls import CALLS_PER_FRAME, tower_calls  # noqa: E402
 
@@ -46,41 +46,6 @@ FUSED_OPS = {
 }
 # the eager norm's own ops: none of them may run where a fused op replaced it
 EAGER_NORM_OPS = {"pow", "mean", "rsqrt", "rsqrt_"}
-
-
-# -- the stand-in ops ----------------------------------------------------------------------------
-
-
-def _check_operands(x: Tensor, gamma: Tensor) -> None:
-    # What the kernels promise the fused ops: dense rows and gamma in the activation dtype.
-    if not x.is_contiguous():
-        raise ValueError("the stand-in fused norm takes dense rows")
-    if gamma.dtype != x.dtype:
-        raise TypeError(f"gamma is {gamma.dtype}, rows are {x.dtype}")
-
-
-def _normalise(s32: Tensor, gamma: Tensor, eps: float, dtype) -> tuple[Tensor, Tensor]:
-    dims = tuple(range(-gamma.dim(), 0))  # over gamma's trailing shape
-    rstd = torch.rsqrt(s32.pow(2).mean(dims, keepdim=True) + eps)
-    return (s32 * rstd * gamma.to(torch.float32)).to(dtype), rstd
-
-
-@torch.library.custom_op("drama3_test::fused_rms_norm", mutates_args=(), device_types="cpu")
-def fused_rms_norm(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    _check_operands(x, gamma)
-    return _normalise(x.to(torch.float32), gamma, epsilon, x.dtype)
-
-
-@torch.library.custom_op("drama3_test::fused_add_rms_norm", mutates_args=(), device_types="cpu")
-def fused_add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
-    _check_operands(x1, gamma)
-    _check_operands(x2, gamma)
-    s32 = x1.to(torch.float32) + x2.to(torch.float32)
-    y, rstd = _normalise(s32, gamma, epsilon, x1.dtype)
-    return y, rstd, s32.to(x1.dtype)
-
-
-STAND_IN = npu_fused.FusedNorms(torch.ops.drama3_test.fused_rms_norm, torch.ops.drama3_test.fused_add_rms_norm)
 
 
 def _with_stand_in(mp: pytest.MonkeyPatch) -> None:
