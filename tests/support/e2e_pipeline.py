@@ -191,7 +191,8 @@ def describe(out) -> dict:
 
 def offline_child(model: str, deploy: str, phases: list) -> dict:
     """Start vLLM-Omni's ``Omni`` once and run ``phases``: each one ``generate`` call of requests
-    (``{"text", "ref": seconds of reference audio}``) under stage-0 sampling ``{"seed", "max_tokens"}``."""
+    (``{"text", "ref": seconds of reference audio}``) under stage-0 sampling ``{"seed", "max_tokens",
+    "ignore_eos"}``."""
     from transformers import AutoTokenizer
     from vllm_omni import Omni
 
@@ -204,6 +205,7 @@ def offline_child(model: str, deploy: str, phases: list) -> dict:
         for phase in phases:
             ar = copy.deepcopy(defaults[0])
             ar.max_tokens, ar.seed = phase["max_tokens"], phase.get("seed")
+            ar.ignore_eos = bool(phase.get("ignore_eos", False))  # every request runs max_tokens frames
             prompts = [prompt(tokenizer, r["text"], r.get("ref", 0.0)) for r in phase["requests"]]
             began = time.monotonic()
             outputs = omni.generate(prompts, [ar, *defaults[1:]], use_tqdm=False)

@@ -101,14 +101,17 @@ class LaunchCounter(TorchDispatchMode):
             if result is not NotImplemented:
                 return result
         result = func(*args, **kwargs)
-        kind = classify(func, args, result)
+        self.record(func, classify(func, args, result))
+        return result
+
+    def record(self, func, kind: str) -> None:
+        """Add one op of class ``kind`` (a subclass may attribute it further)."""
         c = self.counts
         setattr(c, kind, getattr(c, kind) + 1)
         if kind == "launches":
             c.by_op[func.overloadpacket.__name__] += 1
         elif kind == "syncs":
             c.sync_ops.append(str(func))
-        return result
 
 
 def count(fn, *args, **kwargs) -> Counts:

@@ -33,6 +33,9 @@ are worked around, each only when its variable is set (the tier sets both):
   every Ray worker (the raylets carry this folder on ``PYTHONPATH``). Only placement is stood
   in for: the workers still run vLLM's CPU worker on the host. The name has no ``DRAMA3_``
   prefix because the Ray test starts its raylets without any ``DRAMA3_*`` variable.
+* ``DRAMA3_E2E_DISPATCH=FILE``: ``e2e_dispatch`` counts what stage 0 dispatches per engine step
+  (``benchmarks/dispatch.py``, ``tests/e2e/test_dispatch.py``); its hooks run after the model,
+  sampler and kernel modules' bodies.
 """
 
 from __future__ import annotations
@@ -143,8 +146,10 @@ def _ray_device_key(module) -> None:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, pil: bool, triton: bool, torchaudio: bool, ray_key: bool = False):
+    def __init__(self, pil: bool, triton: bool, torchaudio: bool, ray_key: bool = False, after=None):
         self._pil, self._triton, self._torchaudio, self._ray_key = pil, triton, torchaudio, ray_key
+        self._after = after or {}
+        self._resolving: set = set()
 
     def find_spec(self, fullname, path=None, target=None):
         if self._torchaudio and (fullname == "torchaudio" or fullname.startswith("torchaudio.")):
@@ -157,11 +162,24 @@ class _Finder(importlib.abc.MetaPathFinder):
                 spec.loader = _AfterExec(spec.loader, _force_triton)
             return spec
         if self._ray_key and fullname == _CPU_PLATFORM:
-            spec = self._real_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _AfterExec(spec.loader, _ray_device_key)
-            return spec
+            return self._after_exec(fullname, path, target, _ray_device_key)
+        if fullname in self._after:
+            return self._after_exec(fullname, path, target, self._after[fullname])
         return None
+
+    def _after_exec(self, fullname, path, target, after):
+        # Another finder (drama3_patches' trigger) may ask the whole meta path again: answer it
+        # as if this finder were absent.
+        if fullname in self._resolving:
+            return None
+        self._resolving.add(fullname)
+        try:
+            spec = self._real_spec(fullname, path, target)
+        finally:
+            self._resolving.discard(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _AfterExec(spec.loader, after)
+        return spec
 
     def _real_spec(self, fullname, path, target):
         for finder in sys.meta_path:
@@ -178,8 +196,13 @@ def _install() -> None:
     triton = os.environ.get("TRITON_INTERPRET") == "1"
     torchaudio = os.environ.get("DRAMA3_E2E_TORCHAUDIO_STUB") == "1"
     ray_key = bool(os.environ.get("E2E_RAY_DEVICE_KEY"))
-    if pil or triton or torchaudio or ray_key:
-        sys.meta_path.insert(0, _Finder(pil, triton, torchaudio, ray_key))
+    after = None
+    if os.environ.get("DRAMA3_E2E_DISPATCH"):
+        import e2e_dispatch
+
+        after = e2e_dispatch.after_exec_hooks()
+    if pil or triton or torchaudio or ray_key or after:
+        sys.meta_path.insert(0, _Finder(pil, triton, torchaudio, ray_key, after))
 
 
 _install()
