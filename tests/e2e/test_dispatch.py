@@ -78,7 +78,7 @@ def _kernel_level_launches(batch: int) -> dict:
 def test_engine_makes_every_tower_kernel_call_and_each_costs_its_kernel_level_count(eager, batch):
     """The engine's calls per frame are the tower's (so nothing escaped the counter), and each
     kernel's launches in the engine equal its calls counted one by one at the published width."""
-    kernels = {k: v for k, v in eager[batch]["kernels"].items() if not k.startswith("triton:")}
+    kernels = dispatch.tower_kernels(eager[batch])
     assert {k: v.get("calls", 0) for k, v in kernels.items()} == _calls_by_kernel()
     assert {k: v.get("launches", 0) for k, v in kernels.items()} == _kernel_level_launches(batch)
 
@@ -95,5 +95,5 @@ def test_fused_norm_standins_bring_tower_and_sampler_within_700_launches_at_batc
     assert fused["identical"]
     launches = dispatch.total(fused["components"], dispatch.TOWER_AND_SAMPLER)
     assert launches <= dispatch.BUDGET, (launches, fused["components"])
-    kernels = sum(v.get("launches", 0) for k, v in fused["kernels"].items() if not k.startswith("triton:"))
+    kernels = sum(v.get("launches", 0) for v in dispatch.tower_kernels(fused).values())
     assert kernels == fused_path.PER_FRAME[1], fused["kernels"]

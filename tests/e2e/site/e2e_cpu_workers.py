@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 
-import e2e_dispatch
 import torch
 from vllm.v1.worker import cpu_model_runner as vllm_cpu_runner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -50,16 +49,7 @@ class CPUOmniARModelRunner(OmniARModelRunner):
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if preempted:
             print(f"{PREEMPTED_TAG} {len(preempted)}", file=sys.stderr, flush=True)
-        if e2e_dispatch.enabled() and not kwargs.get("dummy_run"):
-            with e2e_dispatch.step(scheduler_output):
-                return super().execute_model(scheduler_output, *args, **kwargs)
         return super().execute_model(scheduler_output, *args, **kwargs)
-
-    def sample_tokens(self, *args, **kwargs):
-        if e2e_dispatch.enabled():
-            with e2e_dispatch.step():
-                return super().sample_tokens(*args, **kwargs)
-        return super().sample_tokens(*args, **kwargs)
 
 
 class CPUGenerationModelRunner(GPUGenerationModelRunner):

@@ -1,8 +1,10 @@
 """Test-only: what stage 0 dispatches in each engine step, by component and by this project's kernel.
 
 Active in a process when ``DRAMA3_E2E_DISPATCH`` names a file (``sitecustomize`` installs the
-import hooks below; the CPU AR runner in ``e2e_cpu_workers`` opens a step around its
-``execute_model`` and ``sample_tokens``). Each step is appended to that file as one JSON line.
+import hooks below; a step opens around vLLM-Omni's Model Runner V2 AR runner's
+``execute_model`` and goes on through its ``sample_tokens``, on any platform: the CPU workers
+here, vLLM-Ascend's on the cards). Each step is appended to that file as one JSON line, with the
+worker's tensor-parallel rank.
 
 Counting is ``support.launches``' (every aten op the step dispatches, classed as launch, view,
 alloc or host sync, composite ops counted as what they decompose into). Attribution:
@@ -40,6 +42,7 @@ OUT_ENV = "DRAMA3_E2E_DISPATCH"
 STANDIN_ENV = "DRAMA3_E2E_FUSED_STANDIN"
 FUSED_MODULE = "drama3_patches.kernels.npu_fused"
 MODEL_MODULE = "vllm_omni.model_executor.models.fish_omni.fish_omni_model"
+RUNNER_MODULE = "vllm_omni.worker_v2.omni_ar_model_runner"
 SAMPLING_MODULE = "vllm_omni.model_executor.models.fish_omni.sampling"
 # This project's eager kernels, by module: the entry points its patches bind.
 KERNEL_MODULES = {
@@ -57,10 +60,6 @@ _kernel: list = [None]
 _triton_depth = [0]
 _step: dict | None = None
 _counter = None
-
-
-def enabled() -> bool:
-    return bool(os.environ.get(OUT_ENV))
 
 
 # -- attribution ------------------------------------------------------------------------------------
@@ -136,7 +135,7 @@ class _Part:
         if self._new:
             _flush()
             scheduled = dict(self._scheduled or {})
-            _step = {"pid": os.getpid(), "requests": len(scheduled), "tokens": sum(scheduled.values()),
+            _step = {"pid": os.getpid(), "rank": _rank(), "requests": len(scheduled), "tokens": sum(scheduled.values()),
                      "decode": bool(scheduled) and all(n == 1 for n in scheduled.values()),
                      "rows": defaultdict(Counter), "by_op": defaultdict(Counter),
                      "kernel_calls": Counter(), "syncs": []}
@@ -155,6 +154,12 @@ class _Part:
         if self._mode is not None:
             self._mode.__exit__(*exc)
         return False
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def step(scheduler_output=None) -> _Part:
@@ -199,6 +204,25 @@ def _label_model(model) -> None:
     for head in model.codebook_heads:
         if hasattr(head, "register_forward_pre_hook"):
             _label_module(head, "tower: codebook heads")
+
+
+def _wrap_runner(module) -> None:
+    cls = module.OmniARModelRunner
+    execute, sample = cls.execute_model, cls.sample_tokens
+
+    @functools.wraps(execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if kwargs.get("dummy_run"):
+            return execute(self, scheduler_output, *args, **kwargs)
+        with step(scheduler_output):
+            return execute(self, scheduler_output, *args, **kwargs)
+
+    @functools.wraps(sample)
+    def sample_tokens(self, *args, **kwargs):
+        with step():
+            return sample(self, *args, **kwargs)
+
+    cls.execute_model, cls.sample_tokens = execute_model, sample_tokens
 
 
 def _wrap_forward(module) -> None:
@@ -284,7 +308,7 @@ def _stand_in_fused(module) -> None:
 
 def after_exec_hooks() -> dict:
     """module name -> what to run on it after its body ran (for ``sitecustomize``'s finder)."""
-    hooks = {MODEL_MODULE: _wrap_forward, SAMPLING_MODULE: _wrap_sampler}
+    hooks = {RUNNER_MODULE: _wrap_runner, MODEL_MODULE: _wrap_forward, SAMPLING_MODULE: _wrap_sampler}
     hooks.update({name: _wrap_kernels for name in KERNEL_MODULES})
     if os.environ.get(STANDIN_ENV) == "1":
         hooks[FUSED_MODULE] = _stand_in_fused
