@@ -34,6 +34,7 @@ def _fused_or_skip(out: dict) -> None:
 def test_fused_norms_on_the_card_agree_with_the_eager_path_at_tower_shapes(batch):
     out = call(fused_against_eager, batch)
     _fused_or_skip(out)
+    assert out["eager_path"], "the opt-out did not switch the kernels to the eager path"
     assert out["mismatches"] == {}, out["deviation"]
     # the residual variants' sums (x + residual, or + the masked code row, in x's dtype) and the gate
     assert out["other_mismatches"] == {}, out["deviation"]
@@ -78,13 +79,21 @@ def fused_against_eager(batch: int) -> dict:
     out = _torch_npu_state()
     if not out["fused"]:
         return out
+    import torch
+
+    from drama3_patches.kernels import npu_fused
+
     calls = tower_calls(batch, device="npu")
     fused = _run(calls, FUSED_KERNELS)
+    # the opt-out is read once per process, with the detection: forget it to read it again
     os.environ[env.NPU_FUSED] = "0"
+    npu_fused._BACKENDS.clear()
     try:
+        out["eager_path"] = npu_fused.fused_norms(torch.device("npu")) is None
         eager = _run(calls, FUSED_KERNELS)
     finally:
         del os.environ[env.NPU_FUSED]
+        npu_fused._BACKENDS.clear()
     out.update(mismatches={}, other_mismatches={}, deviation={})
     for name in FUSED_KERNELS:
         # normalised outputs: q and k of the QK kernel, the first of the others; then sums and gate
