@@ -1,8 +1,8 @@
 """Host dispatch per decode frame in vLLM-Omni's real engine: ops by component and by this project's kernel.
 
-    nox -s dispatch                                  # batch 1 and 64, 4 frames each (builds the e2e environment)
+    nox -s dispatch                 # batch 1 and 64, 4 frames each (an environment of the e2e packages)
     nox -s dispatch -- --batch 1 --frames 6 --json dispatch.json
-    nox -s dispatch -- --fused-standin              # the NPU path's count (torch-npu's fused norms stood in)
+    nox -s dispatch -- --fused-standin   # the NPU path's count (torch-npu's fused norms stood in)
 
 On Ascend, eager speed is bounded by host dispatch (each launched op costs roughly 10-40 us
 of host time), so the number of ops a decode frame dispatches is its cost floor in eager mode.
