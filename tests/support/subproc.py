@@ -172,12 +172,32 @@ def _load(path: str, qualname: str):
     return target
 
 
+def _leave_process_group() -> None:
+    """Tear down a rank's process groups before the interpreter exits: a gloo group still alive at
+    exit can abort the process in its destructor ("terminate called without an active exception",
+    exit -6) after the rank's result was printed."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None:
+        state.destroy_model_parallel()
+        state.destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _child_main(argv: list) -> None:
     (path, qualname), prelude, args = json.loads(argv[0])
     if prelude:
         _load(*prelude)()
     result = _load(path, qualname)(*args)
     print(_TAG + json.dumps(result), flush=True)
+    if os.environ.get("DRAMA3_TEST_RANK") is not None:
+        try:
+            _leave_process_group()
+        except Exception as exc:  # the result is out: a teardown problem is shown, not failed on
+            print(f"process group teardown: {exc!r}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
