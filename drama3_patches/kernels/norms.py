@@ -174,6 +174,12 @@ def _fused_gemma(fused, x, weight, eps, residual):
     return fused.add_rms_norm(x, residual, gamma, eps)
 
 
+def _table_rows(code, table) -> torch.Tensor:
+    """``table[code]``, codes outside the table clamped to its first/last row (as the published
+    kernel does instead of faulting)."""
+    return table.index_select(0, code.reshape(-1).clamp(0, table.shape[0] - 1))
+
+
 def _masked_rows(x, code, code_mask, table) -> torch.Tensor:
     """float32 ``x + code_mask * table[clamp(code)]`` ``[rows, D]`` (``x`` None: without it).
 
@@ -181,7 +187,7 @@ def _masked_rows(x, code, code_mask, table) -> torch.Tensor:
     kernel does the same instead of faulting); the mask multiplies, so a masked
     row is exactly zero.
     """
-    rows = table.index_select(0, code.reshape(-1).clamp(0, table.shape[0] - 1))
+    rows = _table_rows(code, table)
     mask = code_mask.reshape(-1, 1)
     mask32 = mask.to(_F32)
     if x is None:
@@ -198,7 +204,7 @@ def _masked_rows_as(dtype, code, code_mask, table) -> torch.Tensor:
     The mask is 0/1, so multiplying in ``dtype`` is exact: the rows the fused op adds are the
     ones the eager path adds in float32 (a bool mask multiplies without a cast).
     """
-    rows = table.index_select(0, code.reshape(-1).clamp(0, table.shape[0] - 1))
+    rows = _table_rows(code, table)
     if rows.dtype != dtype:
         rows = rows.to(dtype)
     mask = code_mask.reshape(-1, 1)
@@ -267,8 +273,7 @@ def _code_embedding(hidden, code, code_mask, table, extra) -> torch.Tensor:
     """``code_mask * table[code] (+ extra)`` in ``hidden.dtype``, rounded where the published
     kernel stores it: after the masked row, and again after adding ``extra``."""
     emb = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-    index = code.reshape(-1).clamp(0, table.shape[0] - 1)
-    into(emb, torch.mul, table.index_select(0, index), code_mask.reshape(-1, 1).to(_F32))
+    into(emb, torch.mul, _table_rows(code, table), code_mask.reshape(-1, 1).to(_F32))
     if extra is not None:
         # float32 emb + extra, rounded again into emb (out= may be an input of the same elements)
         into(emb, torch.addcmul, emb, _f32_operand(extra), constant(1.0, hidden.device))

@@ -85,9 +85,14 @@ def _where() -> str:
     return "?"
 
 
-def _counter_class():
+def _tests_on_path() -> None:
+    # support.* lives in tests/, which the engine's processes may not have on sys.path
     if str(_TESTS) not in sys.path:
         sys.path.insert(0, str(_TESTS))
+
+
+def _counter_class():
+    _tests_on_path()
     from support.launches import LaunchCounter
 
     class StepCounter(LaunchCounter):
@@ -299,8 +304,7 @@ def _wrap_triton() -> None:
 
 
 def _stand_in_fused(module) -> None:
-    if str(_TESTS) not in sys.path:
-        sys.path.insert(0, str(_TESTS))
+    _tests_on_path()
     from support.fused_standin import STAND_IN
 
     module.fused_norms = lambda device: STAND_IN
