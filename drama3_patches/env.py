@@ -20,7 +20,7 @@ RESUME_CHECK = "DRAMA3_PATCHES_RESUME_CHECK"
 NPU_FUSED = "DRAMA3_PATCHES_NPU_FUSED"
 # Test-only fault injection: a runtime check that never saw its fault cannot be trusted to pass.
 FAULT = "DRAMA3_PATCHES_FAULT"
-FAULTS = ("parked-history", "tp-drift")
+FAULTS = ("parked-history", "wrong-slot", "tp-drift")
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("", "0", "false", "no", "off")
@@ -103,8 +103,24 @@ def npu_fused() -> bool:
     return parse_flag(NPU_FUSED)
 
 
+def fault_problem() -> str | None:
+    """Why $DRAMA3_PATCHES_FAULT is refused (a name that is not one of FAULTS), or None."""
+    parts = [part.strip() for part in os.environ.get(FAULT, "").split(",") if part.strip()]
+    unknown = [part for part in parts if part not in FAULTS]
+    if unknown:
+        return (f"{FAULT}={os.environ.get(FAULT)!r}: {', '.join(map(repr, unknown))} is not a known fault; "
+                f"known: {', '.join(FAULTS)} (test-only; unset it on a server)")
+    return None
+
+
 def fault(name: str) -> bool:
-    """Whether the test-only fault ``name`` (one of FAULTS) is switched on in $DRAMA3_PATCHES_FAULT."""
+    """Whether the test-only fault ``name`` (one of FAULTS) is switched on in $DRAMA3_PATCHES_FAULT.
+    A value naming an unknown fault switches none on, with one warning: a misspelt negative
+    control must not run as a normal run unnoticed."""
+    problem = fault_problem()
+    if problem:
+        warn_once(FAULT, f"{problem}; no fault is injected")
+        return False
     return name in {part.strip() for part in os.environ.get(FAULT, "").split(",")}
 
 

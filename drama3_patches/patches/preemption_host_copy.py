@@ -9,18 +9,20 @@ replaces the parked ``PARKED`` tensors that ``needs_host_copy``. Feature detecti
 (``parks_off_host``) runs the method's own body, copied by ``_own_body`` with its ``super()``
 pointed at ``_QuietParent``, on ``meta`` buffers.
 
-The resume check (``DRAMA3_PATCHES_RESUME_CHECK=1``): at preemption ``HistoryLedger.keep``
-takes a host copy of the frames parked (a few KB: a copy rather than a digest, so a resume that
-brings back fewer frames is checked on its prefix); ``build_resume`` wraps ``add_request`` and
-compares what the published code queued for the slot (``_pending_history``) with that copy,
-raising :class:`ResumedHistoryMismatch` on a difference. Each process's report counts
-``preemptions``, ``resumes`` and ``resumes_verified``.
+The resume check (``DRAMA3_PATCHES_RESUME_CHECK=1``): before the published park runs,
+``SlotReference.take`` copies the request's frames from the slot itself
+(``slot_history[req_index, :slot_generated[req_index]]``, a few KB) to the host, and hangs the copy
+on the parked record, so it lives exactly as long as upstream keeps the park (a finish or an
+abort drops both). ``build_resume`` wraps ``add_request`` and compares what the published code
+queued for the resumed slot (``_pending_history``) with that copy, raising
+:class:`ResumedHistoryMismatch` on a difference. The reference never comes from what the park
+produced, so a park that reads the wrong slot or alters the frames fails the check. Each
+process's report counts ``preemptions``, ``resumes`` and ``resumes_verified``.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
 import types
 from types import SimpleNamespace
 
@@ -35,7 +37,6 @@ logger = init_logger(__name__)
 
 PARKED = ("history", "count")
 MODEL_STATE = "vllm_omni.model_executor.models.fish_omni.model_state:FishOmniModelState"
-PREEMPT = f"{MODEL_STATE}.on_request_preempted"
 RESUME = f"{MODEL_STATE}.add_request"
 
 
@@ -63,65 +64,102 @@ def park_on_host(state, req_id) -> int:
     return moved
 
 
-class HistoryLedger:
-    """Host copies of the frames each preempted request parked, by request id, per model state."""
+class SlotReference:
+    """The resume check's reference: a host copy of a preempted request's frames, read from its
+    slot before the published park runs, kept on the parked record (``ATTR``)."""
 
-    ATTR = "_drama3_parked_frames"
+    ATTR = "_drama3_reference"
 
-    @classmethod
-    def of(cls, model_state) -> dict:
-        ledger = model_state.__dict__.get(cls.ATTR)
-        if ledger is None:
-            ledger = model_state.__dict__.setdefault(cls.ATTR, {})
-        return ledger
-
-    @classmethod
-    def keep(cls, model_state, req_id) -> None:
-        """Copy the parked frames before the slot can be reused (the park is on the host by now,
-        or a host clone on CPU runs): the count read is no device sync there."""
-        parked = getattr(model_state, "_suspended", {}).get(req_id)
-        if parked is None or getattr(parked, "event", None) is not None:
-            return
-        frames = int(parked.count.reshape(-1)[0])
-        cls.of(model_state)[req_id] = parked.history[:frames].to("cpu", copy=True)
-        if frames and env.fault("parked-history"):
-            # Test-only: the slot's reuse scribbled over the parked frames.
-            parked.history[frames - 1, 0] += 1
+    @staticmethod
+    def take(model_state, req_index: int) -> torch.Tensor | None:
+        """``slot_history[req_index, :slot_generated[req_index]]`` on the host (a blocking copy: the
+        count read syncs with the device, acceptable for an opt-in check), or None where the state
+        has no slot pools to read."""
+        buffers = getattr(model_state, "buffers", None)
+        history = getattr(buffers, "slot_history", None)
+        generated = getattr(buffers, "slot_generated", None)
+        if not isinstance(history, torch.Tensor) or not isinstance(generated, torch.Tensor):
+            return None
+        frames = int(generated[req_index].to("cpu"))
+        return history[req_index, :frames].to("cpu", copy=True)
 
     @classmethod
-    def verify(cls, model_state, req_id, kept, fed) -> None:
-        """``fed``: the ``[frames, codebooks]`` history the resumed slot is given."""
+    def attach(cls, parked, reference: torch.Tensor) -> bool:
+        try:
+            setattr(parked, cls.ATTR, reference)
+        except AttributeError:  # a parked record without a __dict__: nothing to hang it on
+            return False
+        return True
+
+    @classmethod
+    def of(cls, parked) -> torch.Tensor | None:
+        return getattr(parked, cls.ATTR, None)
+
+    @staticmethod
+    def verify(req_id, reference: torch.Tensor, fed: torch.Tensor) -> None:
+        """``fed``: the ``[frames, codebooks]`` history the resumed slot is given; it must be the
+        first ``frames`` rows of the reference."""
+        fed = fed.to("cpu")
         frames = fed.shape[0]
-        expected = kept[:frames].to(fed.dtype)
-        if frames > kept.shape[0] or not torch.equal(fed.to("cpu"), expected):
-            same = expected.shape[0] if frames > kept.shape[0] else frames
-            bad = next((i for i in range(same) if not torch.equal(fed[i].to("cpu"), expected[i])), same)
+        expected = reference[:frames].to(fed.dtype)
+        if frames > reference.shape[0] or not torch.equal(fed, expected):
+            same = min(frames, reference.shape[0])
+            bad = next((i for i in range(same) if not torch.equal(fed[i], expected[i])), same)
             raise ResumedHistoryMismatch(
-                f"request {req_id}: resumed with {frames} frames of history, {kept.shape[0]} parked at "
+                f"request {req_id}: resumed with {frames} frames of history, {reference.shape[0]} in its slot at "
                 f"preemption; they differ from frame {bad} on ({env.RESUME_CHECK}=1). The request would "
                 "continue from frames it never generated: stop the deployment and report it with this line")
         state.count("resumes_verified")
 
 
+def _inject_fault(model_state, parked, req_index: int) -> None:
+    """Test-only (``DRAMA3_PATCHES_FAULT``): what each resume-check fault stands for."""
+    if env.fault("parked-history"):
+        # the slot's reuse scribbled over the parked frames
+        frames = int(parked.count.reshape(-1)[0])
+        if frames:
+            parked.history[frames - 1, 0] += 1
+    if env.fault("wrong-slot"):
+        # a park that read the next slot's history instead of the request's own
+        history = model_state.buffers.slot_history
+        parked.history = history[(req_index + 1) % history.shape[0]].to("cpu", copy=True)
+
+
 def build(original):
     signature = inspect.signature(original)
-    # The request id is the parking key: the published parameter name, else the first after self.
-    key = "req_id" if "req_id" in signature.parameters else list(signature.parameters)[1]
+    names = list(signature.parameters)
+    # The request id is the parking key, the index its slot: the published names, else by position.
+    key = "req_id" if "req_id" in names else names[1]
+    index_key = "req_index" if "req_index" in names else names[2]
 
     def on_request_preempted(wrapped, instance, args, kwargs):
+        bound = signature.bind(instance, *args, **kwargs).arguments
+        req_id, req_index = bound[key], bound[index_key]
+        checking = env.resume_check()
+        # Taken before the published park runs: what the slot holds, not what the park made of it.
+        reference = SlotReference.take(instance, req_index) if checking else None
         result = wrapped(*args, **kwargs)
-        req_id = signature.bind(instance, *args, **kwargs).arguments[key]
         park_on_host(instance, req_id)
         state.count("preemptions")
-        if env.resume_check():
-            HistoryLedger.keep(instance, req_id)
+        parked = getattr(instance, "_suspended", {}).get(req_id)
+        if checking and parked is not None and getattr(parked, "event", None) is None:
+            if reference is not None and not SlotReference.attach(parked, reference):
+                _warn_unverified("the parked record takes no attribute")
+            _inject_fault(instance, parked, req_index)
         return result
 
     # Same signature as the published method: a FunctionWrapper, bound as the method was.
     return function_wrapper(original, on_request_preempted)
 
 
-_no_pending = threading.Event()  # set once the "cannot verify" warning was given
+_warned_unverified = False
+
+
+def _warn_unverified(why: str) -> None:
+    global _warned_unverified
+    if not _warned_unverified:
+        _warned_unverified = True
+        logger.warning("preemption-host-copy: %s; resumed frames are not verified (%s)", why, env.RESUME_CHECK)
 
 
 def build_resume(original):
@@ -131,22 +169,21 @@ def build_resume(original):
     def add_request(wrapped, instance, args, kwargs):
         bound = signature.bind(instance, *args, **kwargs).arguments
         req_id = str(getattr(bound[data_key], "req_id", ""))
-        parked = req_id in getattr(instance, "_suspended", {})
-        kept = instance.__dict__.get(HistoryLedger.ATTR, {}).pop(req_id, None) if parked else None
+        parked = getattr(instance, "_suspended", {}).get(req_id)
+        # Read before the published code consumes the park (it pops it from _suspended).
+        reference = SlotReference.of(parked) if parked is not None else None
         result = wrapped(*args, **kwargs)
-        if not parked:
+        if parked is None:
             return result
         pending = getattr(instance, "_pending_history", None)
         fed = pending.get(bound[index_key]) if isinstance(pending, dict) else None
         if fed is None:
-            if pending is None and kept is not None and not _no_pending.is_set():
-                _no_pending.set()
-                logger.warning("preemption-host-copy: the model state keeps no _pending_history; resumed "
-                               "frames are not verified (%s)", env.RESUME_CHECK)
+            if pending is None and env.resume_check():
+                _warn_unverified("the model state keeps no _pending_history")
             return result  # preempted before its first frame: nothing to feed back
         state.count("resumes")
-        if kept is not None:
-            HistoryLedger.verify(instance, req_id, kept, fed)
+        if reference is not None:
+            SlotReference.verify(req_id, reference, fed)
         return result
 
     return function_wrapper(original, add_request)

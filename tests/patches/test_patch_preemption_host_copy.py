@@ -523,7 +523,8 @@ def resume_on_the_npu(tmp: str) -> dict:
 def _resume_counts() -> dict:
     from drama3_patches.engine import state as engine_state
 
-    return {k: v for k, v in engine_state.counters().items() if k in ("preemptions", "resumes", "resumes_verified")}
+    counters = engine_state.counters()
+    return {k: counters.get(k, 0) for k in ("preemptions", "resumes", "resumes_verified")}
 
 
 @pytest.mark.vllm
@@ -544,7 +545,7 @@ def test_resume_check_verifies_the_resumed_history_and_names_a_corrupted_one(tmp
     a_frames, b_frames = _scenario(state, model)
     _check_resumed(state, model, a_frames, b_frames)
     assert _resume_counts() == {"preemptions": 1, "resumes": 1, "resumes_verified": 1}
-    assert not state.__dict__[php.HistoryLedger.ATTR]  # the kept copy went with the resume
+    assert not state._suspended  # the reference went with the park the resume consumed
 
     monkeypatch.setenv("DRAMA3_PATCHES_FAULT", "parked-history")
     state, model = _build(vllm_config, "npu")
@@ -555,6 +556,106 @@ def test_resume_check_verifies_the_resumed_history_and_names_a_corrupted_one(tmp
     monkeypatch.delenv("DRAMA3_PATCHES_FAULT")
     monkeypatch.delenv("DRAMA3_PATCHES_RESUME_CHECK")
     state, model = _build(vllm_config, "npu")
-    _check_resumed(state, model, *_scenario(state, model))
+    _admit(state, 1, _request("A", A_PROMPT))
+    _generate(state, model, 1, _frames(6, seed=3))
+    _preempt(state, "A", 1)
+    assert php.SlotReference.of(state._suspended["A"]) is None  # nothing kept without the check
+    _admit(state, 1, _request("B", B_PROMPT))
+    _admit(state, 3, _request("A", A_PROMPT, _frames(6, seed=3)[:, 0].tolist()))
     assert _resume_counts() == {"preemptions": 3, "resumes": 3, "resumes_verified": 1}
-    assert php.HistoryLedger.ATTR not in state.__dict__  # nothing kept without the check
+
+
+def _wrong_slot_state_class():
+    """The published state whose park is the published method called with ``req_index + 1``: it
+    parks the next slot's history under the request's id (the bug the resume check must catch)."""
+    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
+
+    published = FishOmniModelState.__dict__["on_request_preempted"]
+
+    class WrongSlotPark(FishOmniModelState):
+        def on_request_preempted(self, req_id, req_index):
+            published(self, req_id, req_index + 1)
+
+    WrongSlotPark.on_request_preempted = php.build(WrongSlotPark.__dict__["on_request_preempted"])
+    WrongSlotPark.add_request = php.build_resume(FishOmniModelState.__dict__["add_request"])
+    return WrongSlotPark
+
+
+def _build_as(cls, vllm_config, device: str):
+    prompts = {"A": _prompt_rows(A_PROMPT, 1), "B": _prompt_rows(B_PROMPT, 2), "C": _prompt_rows(B_PROMPT, 3)}
+    model = SlotPoolModel(vllm_config, torch.device(device), prompts)
+    return cls(vllm_config, model, None, torch.device(device)), model
+
+
+def _wrong_slot_scenario(state, model):
+    """A generates in slot 1 beside C in slot 2 (the slot a wrong park reads); A is preempted and
+    resumes in slot 3."""
+    _admit(state, 1, _request("A", A_PROMPT))
+    _admit(state, 2, _request("C", B_PROMPT))
+    a_frames = _frames(6, seed=3)
+    _generate(state, model, 1, a_frames)
+    _generate(state, model, 2, _frames(7, seed=4))
+    _preempt(state, "A", 1)
+    _admit(state, 3, _request("A", A_PROMPT, a_frames[:, 0].tolist()))
+    return a_frames
+
+
+@pytest.mark.vllm
+@needs_fish_omni
+@pytest.mark.forked
+def test_a_park_that_reads_the_wrong_slot_fails_the_resume_check(tmp_path, monkeypatch):
+    """The reference is read from the request's own slot before the published park runs, so a park
+    of the next slot's history (the published method called with ``req_index + 1``) raises
+    ResumedHistoryMismatch at resume, as does the test-only fault ``wrong-slot`` on the real class;
+    the published park, checked the same way, passes."""
+    fake_npu.vllm_on_npu()
+    vllm_config = _vllm_config(tmp_path)
+    monkeypatch.setenv("DRAMA3_PATCHES_RESUME_CHECK", "1")
+
+    state, model = _build_as(_wrong_slot_state_class(), vllm_config, "npu")
+    with pytest.raises(php.ResumedHistoryMismatch, match=r"request A: resumed with 6 frames .* from frame 0 on"):
+        _wrong_slot_scenario(state, model)
+    assert _resume_counts() == {"preemptions": 1, "resumes": 1, "resumes_verified": 0}
+
+    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
+
+    apply_on_npu(monkeypatch, "preemption-host-copy")
+    state, model = _build(vllm_config, "npu")
+    a_frames = _wrong_slot_scenario(state, model)
+    assert torch.equal(torch.from_numpy(state.prompts[3][len(A_PROMPT):]), a_frames)
+    assert _resume_counts() == {"preemptions": 2, "resumes": 2, "resumes_verified": 1}
+
+    monkeypatch.setenv("DRAMA3_PATCHES_FAULT", "wrong-slot")
+    state, model = _build(vllm_config, "npu")
+    with pytest.raises(php.ResumedHistoryMismatch, match=r"request A: .* from frame 0 on"):
+        _wrong_slot_scenario(state, model)
+    assert FishOmniModelState.on_request_preempted.__wrapped__ is not None  # the real class's, patched
+
+
+@pytest.mark.vllm
+@needs_fish_omni
+@pytest.mark.forked
+def test_references_of_requests_finished_or_aborted_while_parked_are_dropped_with_the_park(tmp_path, monkeypatch):
+    """Three requests preempted, then finished or aborted while parked (the runner calls
+    on_requests_finished for both): no host copy of theirs is left anywhere the state holds."""
+    fake_npu.vllm_on_npu()
+    vllm_config = _vllm_config(tmp_path)
+    import vllm_omni.model_executor.models.fish_omni.model_state  # noqa: F401  (the target module)
+
+    apply_on_npu(monkeypatch, "preemption-host-copy")
+    monkeypatch.setenv("DRAMA3_PATCHES_RESUME_CHECK", "1")
+    state, model = _build(vllm_config, "npu")
+    refs = []
+    for slot, req in ((0, "A"), (1, "B"), (2, "C")):
+        _admit(state, slot, _request(req, A_PROMPT if req == "A" else B_PROMPT))
+        _generate(state, model, slot, _frames(3 + slot, seed=slot))
+        _preempt(state, req, slot)
+        reference = php.SlotReference.of(state._suspended[req])
+        assert reference is not None and reference.shape[0] == 3 + slot
+        refs.append(weakref.ref(reference))
+        reference = None
+    state.on_requests_finished({"A"})  # finished
+    state.on_requests_finished({"B", "C"})  # aborted: the runner reports them the same way
+    assert state._suspended == {}
+    assert all(r() is None for r in refs)
+    assert not [k for k in vars(state) if "drama3" in k]
