@@ -1,6 +1,9 @@
-"""``drama3-patches validate`` without a server: its bad-input lines, the served deploy, the roles
-it reads from a vLLM-Omni log, the log lines it flags, and how checks become the verdict. The
-real run is the e2e tier's (tests/e2e/test_validate.py) and the cards' (tests/hardware).
+"""``drama3-patches validate`` without a server: its bad-input lines, the host check before anything
+starts, the served deploy, what it reads from a vLLM-Omni log (roles, stage 0's graph captures, the
+lines it flags, the failure signatures and their diagnosis), which process reports are this run's,
+and how checks become the verdict. The server's life and the signals are
+test_validate_lifecycle.py's; the real run is the e2e tier's (tests/e2e/test_validate.py) and the
+cards' (tests/hardware).
 """
 
 from __future__ import annotations
@@ -10,8 +13,8 @@ import json
 import pytest
 
 from drama3_patches.tools.bench.speech import Result
-from drama3_patches.tools.validate import deploy, evidence, phases, server, verdict
-from support.subproc import run_cli
+from drama3_patches.tools.validate import deploy, diagnose, evidence, logscan, phases, preflight, verdict
+from support.subproc import run_cli, run_python
 
 
 @pytest.mark.parametrize("args, says", [
@@ -59,11 +62,64 @@ LOG = """\
 
 
 def test_roles_come_from_the_log_prefixes_and_what_each_worker_loads():
-    roles = server.process_roles(server._ANSI.sub("", LOG), multi_rank_stage=0)
+    roles = logscan.process_roles(logscan._ANSI.sub("", LOG), multi_rank_stage=0)
     assert roles == {11: "api-server", 12: "engine-core stage 0", 13: "worker stage 0 rank 0",
                      14: "worker stage 0 rank 1", 15: "engine-core stage 1", 16: "worker stage 1 rank 0"}
     # without knowing which stage spans ranks, a rank that logged nothing of its loading stays unplaced
-    assert server.process_roles(LOG)[14] == "worker stage ?"
+    assert logscan.process_roles(LOG)[14] == "worker stage ?"
+    # the scanner reading the coloured log as it grows, in pieces cut mid-line, finds the same roles
+    scan = logscan.LogScan("unused")
+    for i in range(0, len(LOG), 37):
+        scan.feed_text(LOG[i:i + 37])
+    scan.finish()
+    assert scan.role_map(multi_rank_stage=0) == roles
+
+
+def _scan(text: str) -> logscan.LogScan:
+    scan = logscan.LogScan("unused")
+    scan.feed_text(text)
+    scan.finish()
+    return scan
+
+
+def test_row_a_counts_only_stage0s_own_graph_capture_records():
+    capture_logs = [
+        "(StageEngineCoreProc_stage1_replica0 pid=15) INFO 12-04 [gpu_model_runner.py:9] Graph capturing finished in 3 secs",
+        "(Worker pid=16) INFO 12-04 [acl_graph.py:1] Capturing ACL graphs for decode",
+        "(Worker_TP0 pid=13) WARNING 12-04 [acl_graph.py:1] ACL graph is disabled for this model",
+        "(APIServer pid=11) INFO 12-04 [x.py:1] Graph capturing finished in 0 secs",
+    ]
+    scan = _scan(LOG + "\n".join(capture_logs) + "\n")
+    roles = scan.role_map(multi_rank_stage=0)
+    assert scan.stage0_captures(roles) == 0  # stage 1's, the API server's, and a WARNING: none is stage 0's
+    scan = _scan(LOG + "(Worker_TP1 pid=14) INFO 12-04 [model_runner_v1.py:2] Graph capturing finished in 9 secs\n"
+                 "(StageEngineCoreProc_stage0_replica0 pid=12) INFO 12-04 [y.py:1] Capturing ACL graphs\n")
+    assert scan.stage0_captures(scan.role_map(multi_rank_stage=0)) == 2
+    run = verdict.Run(profile="p", model="m", tp=2, ep=True, compiled=True,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    run.startup(True, 40.0, "", 0)
+    assert not run.checks["a"].passed and "none of its processes logged a graph capture" in run.checks["a"].detail
+
+
+def test_the_log_is_read_incrementally_with_bounded_lines(tmp_path):
+    log = tmp_path / "server.log"
+    with open(log, "wb") as fh:
+        fh.write(b"(Worker_TP0 pid=13) INFO 12-04 [f.py:1] Loaded DAC codec encoder for voice references\n")
+        fh.write(b"x" * (3 * logscan.MAX_LINE + 5))  # one endless line, no newline yet
+    scan = logscan.LogScan(log)
+    scan.poll()
+    assert scan.offset == log.stat().st_size and len(scan._partial) <= logscan.MAX_LINE
+    with open(log, "ab") as fh:
+        fh.write(b"\nTraceback (most recent call last):\n(Worker_TP0 pid=13) ERROR 12-04 [r.py:1] "
+                 b"RuntimeError: NPU out of memory. Tried to allocate 1.00 GiB\n")
+    scan.poll()
+    scan.finish()
+    assert scan.lines == 7 and all(len(line) <= logscan.MAX_LINE for line in scan.tail)
+    assert scan.bad_count == 2 and [b.split(":")[0] for b in scan.bad_shown] == ["traceback", "device error"]
+    assert scan.role_map()[13] == "worker stage 0 rank 0"
+    before = scan.offset
+    scan.poll()
+    assert scan.offset == before  # nothing new: nothing read twice
 
 
 def test_flagged_log_lines_skip_advice_records_but_not_errors_or_tracebacks():
@@ -73,7 +129,8 @@ def test_flagged_log_lines_skip_advice_records_but_not_errors_or_tracebacks():
            "Traceback (most recent call last):",
            "(Worker pid=3) INFO 12-04 [y.py:2] ResumedHistoryMismatch: request 7: resumed with 5 frames",
            "RuntimeError: NPU out of memory. Tried to allocate 2.00 GiB"]
-    count, shown = evidence.bad_lines("\n".join([advice, *bad, "(Worker pid=3) INFO 12-04 all good"]))
+    scan = _scan("\n".join([advice, *bad, "(Worker pid=3) INFO 12-04 all good"]))
+    count, shown = scan.bad_count, scan.bad_shown
     assert count == 4 and [s.split(":")[0] for s in shown] == ["collective error", "traceback", "runtime check",
                                                                  "device error"]
 
@@ -115,16 +172,161 @@ def test_a_request_counts_only_in_whole_44k_frames_within_what_it_asked():
 def test_the_verdict_passes_only_when_every_phase_ran_and_passed():
     run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
-    run.startup(False, 31.0, "the server exited with status 1 before it was ready", "")
-    run.final(dict.fromkeys(evidence.COUNTERS, 0), [], [], "")
+    run.startup(False, 31.0, "the server exited with status 1 before it was ready", 0)
+    scan = _scan("(StageEngineCoreProc_stage0_replica0 pid=12) ERROR 12-04 [fish_omni_model.py:186] "
+                 "NotImplementedError: fish_omni runs with one tensor and pipeline rank\n")
+    run.final(dict.fromkeys(evidence.COUNTERS, 0), [], [], scan)
+    run.diagnose(scan.found)
     doc = json.loads(run.json())
     assert not doc["passed"] and [c["passed"] for c in doc["checks"]] == [False] * 7
     assert {c["name"][0]: c["detail"] for c in doc["checks"]}["b"] == "not run: the server never became ready"
-    assert set(doc["counts"]) == {"requests_completed", "voice_clones_completed", "preemptions",
-                                  "resumes_verified", "tp_steps_checked"}
+    assert set(doc["counts"]) == {"requests_completed", "preemptions", "resumes", "resumes_verified",
+                                  "tp_steps_checked"}
+    assert doc["first_failed"] == "a. start-up"
     md = run.markdown()
     assert md.startswith("## drama3-patches validate: FAILED") and md.count("**FAIL**") == 7
+    assert "First failing row: **a. start-up**" in md and "Likely cause (tensor parallel refused" in md
+    assert "export DRAMA3_PATCHES=1" in md
 
 
 def test_no_report_folder_is_no_process_rather_than_an_error(tmp_path):
     assert evidence.processes(str(tmp_path / "never-made"), {}) == ([], [])
+
+
+# One excerpt per known signature, as each failure prints it (prefix, level, message); what the
+# diagnosis must then name.
+SIGNATURE_LOGS = {
+    "tensor parallel refused": [
+        "(StageEngineCoreProc_stage0_replica0 pid=12) ERROR 12-04 [core.py:1] EngineCore failed to start.",
+        "(StageEngineCoreProc_stage0_replica0 pid=12) NotImplementedError: fish_omni runs with one tensor and "
+        "pipeline rank"],
+    "model runner v2 refused": [
+        "(APIServer pid=11) NotImplementedError: Model Runner V2 is not supported on NPU: set model_runner: v1"],
+    "fp8 copy on the card": [
+        "(Worker_TP0 pid=13) ERROR 12-04 [w.py:1] RuntimeError: call aclnnInplaceCopy failed, detail:EZ1001:",
+        "(Worker_TP0 pid=13) ERROR 12-04 [w.py:1] [ERROR] 2026-12-04 error code is 561103"],
+    "out of memory at expert load": [
+        '(Worker_TP0 pid=13)   File "vllm_ascend/ops/fused_moe/fused_moe.py", line 80, in process_weights_after_loading',
+        "(Worker_TP0 pid=13)     w13 = layer.w13_weight.data.transpose(1, 2).contiguous()",
+        "(Worker_TP0 pid=13) RuntimeError: NPU out of memory. Tried to allocate 1.00 GiB (NPU 0; 60.96 GiB total "
+        "capacity; 58.53 GiB already allocated)"],
+    "out of memory": [
+        "(Worker_TP1 pid=14) RuntimeError: NPU out of memory. Tried to allocate 4.00 GiB while allocating the KV cache"],
+    "collective timeout": [
+        "(Worker_TP1 pid=14) ERROR 12-04 [comm.py:1] HCCL function error: HcclAllReduce, error code is 9: "
+        "wait for the collective timed out"],
+    "ranks drifted": [
+        "(Worker_TP1 pid=14) drama3_patches.patches.fish_omni_tp_frames_check.TensorParallelDrift: step 0: "
+        "ranks [1] sampled other frames than rank 0"],
+    "resumed history mismatch": [
+        "(Worker_TP0 pid=13) drama3_patches.patches.preemption_host_copy.ResumedHistoryMismatch: request 7: resumed "
+        "with 5 frames of history"],
+    "missing module": ["(APIServer pid=11) ModuleNotFoundError: No module named 'vllm_ascend'"],
+    "a process died": [
+        "(APIServer pid=11) ERROR 12-04 [async_llm.py:1] vllm.v1.engine.exceptions.EngineDeadError: EngineCore "
+        "encountered an issue."],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURE_LOGS))
+def test_each_known_failure_signature_is_named_with_its_cause_and_fix(name):
+    scan = _scan("\n".join(["(APIServer pid=11) INFO 12-04 [a.py:1] starting", *SIGNATURE_LOGS[name]]) + "\n")
+    likely = scan.found.likely()
+    assert likely is not None and likely.signature.name == name, [f.signature.name for f in scan.found.all()]
+    assert likely.at == 1 + next(i for i, line in enumerate(SIGNATURE_LOGS[name], 1)
+                                 if likely.signature.pattern.search(line))
+    failed = verdict.Check("c. preemption and resume", False, "1 preemption(s)")
+    text = "\n".join(diagnose.explain(failed, scan.found))
+    assert text.startswith("First failing row: **c. preemption and resume**")
+    assert likely.signature.cause in text and likely.signature.fix in text
+
+
+def test_the_diagnosis_prefers_the_first_specific_cause_over_an_engine_that_died_of_it():
+    lines = SIGNATURE_LOGS["a process died"] + SIGNATURE_LOGS["collective timeout"]
+    scan = _scan("\n".join(lines) + "\n")
+    assert scan.found.likely().signature.name == "collective timeout"
+    assert [f.signature.name for f in scan.found.all()] == ["a process died", "collective timeout"]
+    clean = _scan("(APIServer pid=11) INFO 12-04 [a.py:1] all good\n")
+    assert clean.found.likely() is None
+    assert "No known failure signature" in diagnose.explain(verdict.Check("b. x", False, "d"), clean.found)[1]
+    assert diagnose.explain(None, scan.found) == []
+
+
+def _report(folder, host, pid, written_at, states=None):
+    folder.mkdir(exist_ok=True, mode=0o700)
+    data = {"pid": pid, "host": host, "enabled": True, "written_at": written_at,
+            "patches": [{"id": i, "state": s, "reason": ""} for i, s in (states or {}).items()]}
+    (folder / f"{host}-{pid}.json").write_text(json.dumps(data))
+
+
+def test_only_this_runs_reports_count(tmp_path):
+    from drama3_patches.engine.state import host_label
+
+    here = host_label()
+    reports = tmp_path / "reports"
+    _report(reports, here, 101, 1000.0, {"tower-sampler-eager": "failed"})  # an earlier run's, same host
+    _report(reports, "otherhost", 102, 2000.0)  # another machine's
+    _report(reports, here, 103, 2000.0, {"tower-sampler-eager": "applied"})
+    procs, notes = evidence.processes(str(reports), {103: "worker stage 0 rank 0"}, since=1500.0, host=here)
+    assert [(p.pid, p.role) for p in procs] == [(103, "worker stage 0 rank 0")]
+    assert sorted(n.split(":")[0] for n in notes) == ["pid 101", "pid 102"]
+    assert "before this run began" in " ".join(notes) and "not this one" in " ".join(notes)
+
+
+def test_force_removes_an_earlier_runs_outputs_and_nothing_else(tmp_path):
+    from drama3_patches.tools import validate
+
+    out = tmp_path / "out"
+    (out / "reports").mkdir(parents=True)
+    (out / "reports" / "h-1.json").write_text("{}")
+    (out / "audio").mkdir()
+    (out / "report.json").write_text("{}")
+    (out / "mine.txt").write_text("the operator's")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    (out / "refs").symlink_to(outside)
+    validate._clear_outputs(out)
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+    assert (outside / "keep").is_file()  # a link is removed, never followed
+
+
+def test_an_unknown_fault_is_refused_by_validate_and_ignored_with_a_warning_by_a_serving_process(tmp_path):
+    done = run_cli("validate", "--out", str(tmp_path / "out"), env={"DRAMA3_PATCHES_FAULT": "parked-histroy"})
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "'parked-histroy' is not a known fault; known: parked-history, wrong-slot, tp-drift" in done.stderr
+    child = run_python("""
+        from drama3_patches import env
+        print([env.fault(name) for name in env.FAULTS + env.FAULTS])
+    """, env={"DRAMA3_PATCHES_FAULT": "parked-history,typo"})
+    assert child.stdout.strip() == str([False] * 6)
+    assert child.stderr.count("is not a known fault") == 1 and "no fault is injected" in child.stderr
+    on = run_python("from drama3_patches import env; print(env.fault('wrong-slot'), env.fault('tp-drift'))",
+                    env={"DRAMA3_PATCHES_FAULT": "wrong-slot"})
+    assert on.stdout.strip() == "True False" and not on.stderr
+
+
+def test_the_host_check_names_the_first_problem_and_its_fix():
+    versions = {"vllm": "0.32.0", "vllm-omni": "0.32.0rc1", "torch": "2.13.0"}
+
+    def problems(**over):
+        have = dict(versions, **over)
+        return preflight.problems(True, installed=have.get, find_spec=lambda m: object(),
+                                  vllm_command=lambda: "vllm")
+
+    assert problems() == []
+    bare = problems(vllm=None, **{"vllm-omni": None})
+    assert [w.split(";")[0].split(" (")[0] for w, _ in bare] == ["vLLM is not installed beside this Python",
+                                                                 "vLLM-Omni is not installed beside this Python"]
+    assert "pip install" in bare[0][1] and "vllm==0.32.0" in bare[0][1]
+    (what, fix), (also, _) = problems(**{"vllm-omni": "0.31.0rc1"})
+    assert "imports only beside vLLM 0.31" in what and "vllm-omni==0.32.0rc1" in fix
+    assert "has no Drama 3 model" in also
+    (what, fix), = problems(vllm="0.31.0", **{"vllm-omni": "0.31.0rc1"})
+    assert "has no Drama 3 model" in what and "vllm-omni==0.32.0rc1" in fix
+    missing = preflight.problems(True, installed=versions.get, vllm_command=lambda: "vllm",
+                                 find_spec=lambda m: None if m == "tokenizers" else object())
+    assert [w for w, _ in missing] == ["making the tiny model (no --model given) needs the `tokenizers` module, "
+                                       "which is not installed"]
+    assert preflight.problems(False, installed=versions.get, vllm_command=lambda: "vllm",
+                              find_spec=lambda m: None) == []

@@ -14,25 +14,38 @@ e. every process's patch report against what its role should show;
 f. no device, collective or traceback line in the server's log;
 g. a short ``bench`` pass at concurrency 1 and N: TTFA, audio seconds per second, RTF.
 
-It writes ``report.md`` (the verdict table for a pull request), ``report.json``, the server's log,
-the deploy file it served and the audio to ``--out``, and exits 0 only when every check passed
-(1 when one failed, 2 on bad input). The server's environment is this process's, plus the report
-folder and the two runtime checks: ``DRAMA3_PATCHES`` is the operator's to export, so a run
-without it shows what an unpatched deployment does.
+Before anything starts, the host is checked (``preflight``: vLLM and vLLM-Omni installed and
+paired as ``doctor`` says, what the tiny model needs): a bare host gets one line and exit 2. It
+writes ``report.md`` (the verdict table for a pull request, and where a row failed, the first
+failing row with the likely cause and fix from the log's known signatures), ``report.json``, the
+server's log, ``host-facts.md`` (what an Ascend bug report asks for), the deploy file it served
+and the audio to ``--out``. It exits 0 only when every check passed, 1 when one failed, 2 on bad
+input, 128 + the signal's number when a signal (Ctrl-C, SIGTERM, SIGHUP) cut it short; the report
+is written and the server's every process stopped however it ends. The server's environment is
+this process's, plus the report folder and the two runtime checks: ``DRAMA3_PATCHES`` is the
+operator's to export, so a run without it shows what an unpatched deployment does.
 
-Modules: ``deploy`` (the served file), ``server`` (start, wait, log, roles), ``phases`` (the
-requests), ``evidence`` (reports, counts, log lines), ``verdict`` (the checks and the report).
+Modules: ``preflight`` (the host), ``deploy`` (the served file), ``server`` (start, wait, stop the
+process group), ``logscan`` (the log, read once as it grows), ``diagnose`` (failure signatures),
+``facts`` (the host's facts), ``phases`` (the requests), ``evidence`` (reports, counts),
+``verdict`` (the checks and the report).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
-STAGES = ("start-up", "voice clones", "preemption", "rank agreement", "patch states", "server log", "bench")
+# What a run writes in --out; --force removes these first (nothing else of the folder is touched).
+OUTPUTS = ("reports", "audio", "refs", "report.json", "report.md", "server.log", "deploy.yaml", "host-facts.md",
+           "diagnosis.txt")
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def register(sub) -> None:
@@ -48,7 +61,8 @@ def register(sub) -> None:
                    help="without --model: the tiny model's depth (default tiny)")
     p.add_argument("--tiny-fp8", action="store_true", help="without --model: block-FP8 experts (the cards' path)")
     p.add_argument("--out", metavar="DIR", required=True, help="where the report, log, deploy and audio go")
-    p.add_argument("--force", action="store_true", help="use --out even if it holds files")
+    p.add_argument("--force", action="store_true", help="use --out even if it holds files (an earlier run's "
+                                                        "outputs there are removed first)")
     r = p.add_argument_group("the run")
     r.add_argument("--clones", type=int, default=3, help="voice clones in phase b (default 3)")
     r.add_argument("--stagger", type=float, default=1.0, help="seconds between their arrivals (default 1)")
@@ -63,11 +77,14 @@ def register(sub) -> None:
     r.add_argument("--bench-requests", type=int, default=2, help="requests per bench level (default 2)")
     r.add_argument("--start-timeout", type=float, default=1800, help="seconds to wait for the server (default 1800)")
     r.add_argument("--request-timeout", type=float, default=600, help="seconds per request (default 600)")
+    r.add_argument("--stop-grace", type=float, default=60,
+                   help="seconds the server's processes get to end on TERM before KILL (default 60)")
     r.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     p.set_defaults(func=run)
 
 
 def _check_args(args) -> None:
+    from drama3_patches import env
     from drama3_patches.tools.files import InputError
 
     for flag in ("clones", "clone_frames", "preempt_requests", "preempt_frames", "kv_blocks", "max_model_len",
@@ -77,87 +94,223 @@ def _check_args(args) -> None:
     for flag in ("stagger",):
         if not 0 <= getattr(args, flag) < 3600:
             raise InputError(f"--{flag} must be between 0 and 3600 seconds")
-    for flag in ("start_timeout", "request_timeout"):
+    for flag in ("start_timeout", "request_timeout", "stop_grace"):
         if not 0 < getattr(args, flag) < 1e6:
             raise InputError(f"--{flag.replace('_', '-')} must be a number of seconds above 0")
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.force)):
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.force))):
         raise InputError(f"--out {out} exists and is not an empty folder; give a new one, or --force")
     if args.model and not (Path(args.model) / "config.json").is_file():
         raise InputError(f"--model {args.model}: no config.json there; give a Drama 3 checkpoint folder")
+    problem = env.fault_problem()
+    if problem:  # a misspelt negative control must not run as a normal run
+        raise InputError(problem)
+
+
+def _clear_outputs(out: Path) -> None:
+    """An earlier run's outputs, removed (links removed, never followed): its reports would be read
+    as this run's, its audio listed beside this run's."""
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
+class Interrupted(BaseException):
+    """A signal cut the run short (Ctrl-C, SIGTERM, SIGHUP): judged, reported, stopped all the same."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Signals:
+    """SIGINT, SIGTERM and SIGHUP take one path: the first raises :class:`Interrupted` (unless the run
+    is already finishing); every later one, and any while finishing, is only noted, so that no
+    second signal can skip writing the report or stopping the server."""
+
+    def __init__(self, say) -> None:
+        self.say = say
+        self.first: int | None = None
+        self.finishing = False
+        self._old: dict = {}
+
+    def __enter__(self):
+        for sig in SIGNALS:
+            self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handler(self, signum, frame) -> None:
+        raising = self.first is None and not self.finishing
+        if self.first is None:
+            self.first = signum
+        if raising:
+            raise Interrupted(signum)
+        self.say(f"{signal.Signals(signum).name}: already finishing; writing the report and stopping the server "
+                 "first (it cannot be skipped)")
+
+    def finish(self) -> None:
+        self.finishing = True
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.first is None else 128 + self.first
 
 
 def run(args) -> int:
     from drama3_patches import env
     from drama3_patches.tools.validate import deploy as deploys
-    from drama3_patches.tools.validate import evidence, phases, server, verdict
+    from drama3_patches.tools.validate import preflight
 
     _check_args(args)
     name, loaded = deploys.load(args.profile or (None if args.deploy else "910b-tp2-ep"), args.deploy)
+    preflight.check(need_tiny_model=not args.model)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    began = time.monotonic()
+    if args.force:
+        _clear_outputs(out)
+    began, started_at = time.monotonic(), time.time()
 
     def say(msg: str) -> None:
         print(f"validate [{time.monotonic() - began:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     if not env.enabled():
         say(f"warning: {env.ENABLE} is not enabled in this environment: the server runs without the patches")
-    model = args.model
-    if not model:
-        from drama3_patches.tools import tiny_model
+    with Signals(say) as signals:
+        return _run(args, name, loaded, out, began, started_at, say, signals)
 
-        say(f"making a tiny Drama 3 checkpoint ({args.tiny_depth} depth) in {out / 'model'}")
-        model = str(tiny_model.make(out / "model", args.tiny_depth, args.tiny_fp8))
+
+def _run(args, name, loaded, out: Path, began: float, started_at: float, say, signals: Signals) -> int:
+    from drama3_patches import env
+    from drama3_patches.engine.state import host_label
+    from drama3_patches.tools.validate import deploy as deploys
+    from drama3_patches.tools.validate import facts, logscan, phases, server, verdict
+
     scale = deploys.Scale(kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, frames=args.clone_frames)
     served = deploys.scaled(loaded, scale)
     tp = deploys.tp_size(served)
-    import yaml
-
-    (out / "deploy.yaml").write_text(yaml.safe_dump(served, sort_keys=False))
-    reports = out / "reports"
-    server_env = dict(os.environ, **{env.REPORT_DIR: str(reports), env.RESUME_CHECK: "1"})
-    if tp > 1:
-        server_env[env.TP_CHECK] = "1"
-    lines = phases.write_references(out / "refs", max(args.clones, args.preempt_requests, args.bench_requests))
-    run_ = verdict.Run(profile=name, model=model, tp=tp, ep=deploys.expert_parallel(served),
-                       compiled=deploys.compiles(served), scale=scale, notes=list(args.note))
-    log, port = out / "server.log", server.free_port()
-    say(f"starting vllm serve --omni ({name}: stage 0 at TP{tp}, {'compiled' if run_.compiled else 'eager'}); "
-        f"log: {log}")
-    proc = server.start(model, out / "deploy.yaml", port, server_env, log)
-    interrupted = False
+    run_ = verdict.Run(profile=name, model=args.model or str(out / "model"), tp=tp,
+                       ep=deploys.expert_parallel(served), compiled=deploys.compiles(served), scale=scale,
+                       notes=list(args.note))
+    reports, log = out / "reports", out / "server.log"
+    scan = logscan.LogScan(log)
+    ctx = _Context(args, run_, out, reports, scan, tp, say, started_at, host_label())
+    srv = gathering = None
+    failure: Exception | None = None
     try:
         try:
-            _phases(args, run_, proc, port, out, reports, log, lines, tp, say)
-        except KeyboardInterrupt:  # judge what ran: the report keeps it
-            interrupted = True
-            run_.notes.append("interrupted (Ctrl-C) before every phase ran")
-            say("interrupted: judging what ran, then stopping the server")
-        time.sleep(evidence_flush_s())
-        end = log.stat().st_size  # the shutdown's own lines are not the run's
-        run_.final(_counts(reports, log, tp), *evidence.processes(str(reports), _roles(log, tp, end)),
-                   server.read_log(log, end), not_run="interrupted" if interrupted else "the server never became ready")
+            if not args.model:
+                from drama3_patches.tools import tiny_model
+
+                say(f"making a tiny Drama 3 checkpoint ({args.tiny_depth} depth) in {out / 'model'}")
+                tiny_model.make(out / "model", args.tiny_depth, args.tiny_fp8)
+            import yaml
+
+            (out / "deploy.yaml").write_text(yaml.safe_dump(served, sort_keys=False))
+            server_env = dict(os.environ, **{env.REPORT_DIR: str(reports), env.RESUME_CHECK: "1"})
+            if tp > 1:
+                server_env[env.TP_CHECK] = "1"
+            lines = phases.write_references(out / "refs", max(args.clones, args.preempt_requests,
+                                                                args.bench_requests))
+            port = server.free_port()
+            say(f"starting vllm serve --omni ({name}: stage 0 at TP{tp}, {'compiled' if run_.compiled else 'eager'}); "
+                f"log: {log}")
+            with _signals_held():  # a signal now must not leave a started server without its handle
+                srv = server.start(run_.model, out / "deploy.yaml", port, server_env, log)
+            gathering = facts.Background()  # the host's facts, while the server starts
+            _phases(ctx, srv, port, lines)
+            signals.finish()
+        except Interrupted as exc:  # judge what ran: the report keeps it
+            signals.finish()
+            what = signal.Signals(exc.signum).name
+            run_.ended = f"interrupted by {what}"
+            run_.notes.append(f"interrupted by {what} before every phase ran")
+            say(f"{what}: judging what ran, then stopping the server")
+        except Exception as exc:  # a bug of ours: the server is still stopped and the report written
+            signals.finish()
+            failure = exc
+            run_.ended = f"stopped by an error in validate ({type(exc).__name__}: {exc})"
+        signals.finish()
+        _judge(ctx, srv)
+        run_.write(out)
     finally:
-        say("stopping the server")
-        server.stop(proc)
-    run_.versions = verdict.versions()
-    run_.wall_s = time.monotonic() - began
-    (out / "report.json").write_text(run_.json())
-    (out / "report.md").write_text(run_.markdown())
+        signals.finish()
+        if srv is not None:
+            say("stopping the server (every process of its group)")
+            run_.stopped = srv.stop(grace=args.stop_grace)
+            if run_.stopped["left"]:
+                say(f"warning: {len(run_.stopped['left'])} process(es) of the server would not end: "
+                    f"pid {', '.join(map(str, run_.stopped['left']))}")
+        if gathering is not None:
+            found = gathering.result()
+            (out / "host-facts.md").write_text(facts.markdown(found))
+            run_.facts = facts.summary(found)
+        run_.wall_s = time.monotonic() - began
+        run_.write(out)
+    if failure is not None:
+        raise failure
     print(run_.markdown())
     say(f"{'PASSED' if run_.passed else 'FAILED'}: {out / 'report.md'}")
-    return 130 if interrupted else 0 if run_.passed else 1
+    if signals.exit_code is not None:
+        return signals.exit_code
+    return 0 if run_.passed else 1
 
 
-def _phases(args, run_, proc, port: int, out: Path, reports: Path, log: Path, lines: list, tp: int, say) -> None:
-    """Phases a, b, c and g against the started server; each adds its check to ``run_``."""
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT, SIGTERM and SIGHUP held back (delivered when this ends)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@dataclasses.dataclass
+class _Context:
+    args: object
+    run: object
+    out: Path
+    reports: Path
+    scan: object
+    tp: int
+    say: object
+    since: float  # the run's start (time.time()): reports last written before it are an earlier run's
+    host: str
+
+    def roles(self) -> dict:
+        return self.scan.role_map(multi_rank_stage=0 if self.tp > 1 else None)
+
+    def counts(self) -> dict:
+        """Stage 0's counters, once every process has flushed its last counts."""
+        from drama3_patches.tools.validate import evidence
+
+        time.sleep(evidence_flush_s())
+        self.scan.poll()
+        procs, _ = evidence.processes(str(self.reports), self.roles(), self.since, self.host)
+        return {name: evidence.stage0_count(procs, name) for name in evidence.COUNTERS}
+
+
+def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
+    """Phases a, b, c and g against the started server; each adds its check to ``ctx.run``."""
     from drama3_patches.tools.validate import phases, server
 
+    args, run_, out, say, scan = ctx.args, ctx.run, ctx.out, ctx.say, ctx.scan
     url = f"http://127.0.0.1:{port}"
-    ready, waited, why = server.wait_ready(proc, port, args.start_timeout,
-                                           tick=lambda s: say(f"  still starting ({s:.0f} s)"))
-    run_.startup(ready, waited, why, server.read_log(log))
+
+    def tick(waited: float) -> None:
+        scan.poll()
+        say(f"  still starting ({waited:.0f} s)")
+
+    ready, waited, why = server.wait_ready(srv, port, args.start_timeout, tick=tick)
+    scan.poll()
+    run_.startup(ready, waited, why, scan.stage0_captures(ctx.roles()))
     say(f"a. start-up: {'ready' if ready else 'FAILED'} after {waited:.0f} s {why}")
     if not ready:
         return
@@ -166,24 +319,46 @@ def _phases(args, run_, proc, port: int, out: Path, reports: Path, log: Path, li
                          stagger=args.stagger, timeout=args.request_timeout)
     run_.clones(clones, phases.save_audio(clones, out / "audio", "clone"))
     say(f"   {clones.completed}/{len(clones.sent)} complete, {clones.overlaps()} overlapping, {clones.wall_s:.0f} s")
+    srv.note_tree()
     say(f"c. {args.preempt_requests} requests of {args.preempt_frames} frames into a {args.kv_blocks}-block KV pool")
-    before = _counts(reports, log, tp)
+    before = ctx.counts()
     # A request is preempted only when it must grow into a new KV block while the pool is full:
     # prompts near a block's end (PREEMPT_TEXT) that then grow by --preempt-frames.
     long_ = [dataclasses.replace(line, text=f"{i}: {phases.PREEMPT_TEXT}", prompt_text="a clip")
              for i, line in enumerate(lines[:args.preempt_requests])]
     preempted = phases.send(url, long_, frames=args.preempt_frames, seed=2000, stagger=0.0,
                             timeout=args.request_timeout)
-    after = _counts(reports, log, tp)
+    after = ctx.counts()
     run_.preemption(preempted, before, after, phases.save_audio(preempted, out / "audio", "preempted"))
     say(f"   {preempted.completed}/{len(preempted.sent)} complete; preemptions "
         f"{after['preemptions'] - before['preemptions']}, resumes verified "
         f"{after['resumes_verified'] - before['resumes_verified']}, {preempted.wall_s:.0f} s")
+    srv.note_tree()
     levels = sorted({1, args.bench_concurrency})
     say(f"g. bench at concurrency {', '.join(map(str, levels))}, {args.bench_requests} requests each")
     t0 = time.monotonic()
     run_.bench(phases.bench_levels(url, lines[:args.bench_requests], levels, args.request_timeout),
                time.monotonic() - t0)
+    scan.poll()
+
+
+def _judge(ctx: _Context, srv) -> None:
+    """Rows d, e, f and the verdict, from what the run left (the server still up: its shutdown's
+    own lines are not the run's); the diagnosis where a row failed."""
+    from drama3_patches.tools.validate import evidence, verdict
+
+    run_, scan = ctx.run, ctx.scan
+    counts = ctx.counts() if srv is not None else dict.fromkeys(evidence.COUNTERS, 0)
+    scan.poll()
+    scan.finish()
+    procs, skipped = evidence.processes(str(ctx.reports), ctx.roles(), ctx.since, ctx.host)
+    not_run = run_.ended if run_.ended != "completed" else "the server never became ready"
+    run_.final(counts, procs, skipped, scan, not_run=not_run)
+    run_.diagnose(scan.found)
+    if run_.first_failed is not None:
+        (ctx.out / "diagnosis.txt").write_text("\n".join(run_.diagnosis) + "\n\nThe log's last lines:\n"
+                                               + "\n".join(scan.tail) + "\n")
+    run_.versions = verdict.versions()
 
 
 def evidence_flush_s() -> float:
@@ -191,19 +366,3 @@ def evidence_flush_s() -> float:
     from drama3_patches.engine.state import FLUSH_DELAY_S
 
     return FLUSH_DELAY_S + 1.5
-
-
-def _roles(log: Path, tp: int, end: int | None = None) -> dict:
-    from drama3_patches.tools.validate import server
-
-    return server.process_roles(server.read_log(log, end), multi_rank_stage=0 if tp > 1 else None)
-
-
-def _counts(reports: Path, log: Path, tp: int) -> dict:
-    from drama3_patches.tools.validate import evidence
-
-    time.sleep(evidence_flush_s())
-    if not reports.is_dir():
-        return dict.fromkeys(evidence.COUNTERS, 0)
-    procs, _ = evidence.processes(str(reports), _roles(log, tp))
-    return {name: evidence.stage0_count(procs, name) for name in evidence.COUNTERS}

@@ -1,12 +1,12 @@
 """What the deployment's own processes say: their patch reports, runtime counts and log lines.
 
 Reports are read through ``tools.report.collect`` (regular files of this user or root, bounded,
-checked field by field); roles come from the server's log (``server.process_roles``).
+checked field by field) and only those of this run count: written on this host, after the run
+began; roles come from the server's log (``logscan.Roles``).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 # Runtime counters the patches keep per process (engine.state.count), read by the checks.
@@ -17,24 +17,6 @@ COUNTERS = ("preemptions", "resumes", "resumes_verified", "tp_steps_checked")
 STAGE0_PATCHES = ("tower-sampler-eager", "preemption-host-copy", "gdn-backbone-ascend")
 TP_PATCHES = ("fish-omni-tensor-parallel", "fish-omni-tower-tp-split", "fish-omni-tp-frames-check")
 
-# A line of the server's log that no healthy run prints: (what, pattern). The first two count
-# wherever they appear; the others only outside INFO / WARNING / DEBUG records, whose advice
-# ("... will cause a CUDA array out-of-bounds error") names failures that did not happen.
-ANYWHERE = (
-    ("traceback", re.compile(r"Traceback \(most recent call last\)")),
-    ("runtime check", re.compile(r"TensorParallelDrift|ResumedHistoryMismatch")),
-)
-BAD_LINES = (
-    ("device error", re.compile(r"\b(ACL|aclnn|AclNN|CANN|NPU|CUDA|HBM)\b.*\b(error|failed|fault)\b|"
-                                r"\bE[ZEHLKRJ]\d{4}\b|device-side assert|RuntimeError: .*(npu|NPU|device)")),
-    ("collective error", re.compile(r"\b(HCCL|NCCL|hccl|nccl|gloo|Gloo)\b.*\b(error|timeout|timed out|failed)\b|"
-                                    r"Connection reset by peer|DistBackendError|DistNetworkError")),
-    ("out of memory", re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)),
-    ("engine died", re.compile(r"EngineDeadError|Engine core.*(died|failed)|worker.*died unexpectedly",
-                               re.IGNORECASE)),
-)
-
-
 @dataclass
 class Process:
     pid: int
@@ -44,8 +26,11 @@ class Process:
     counts: dict  # counter -> int
 
 
-def processes(report_dir: str, roles: dict) -> tuple[list[Process], list[str]]:
-    """Every readable process report, with its role; and the notes on reports that were skipped."""
+def processes(report_dir: str, roles: dict, since: float | None = None,
+              host: str | None = None) -> tuple[list[Process], list[str]]:
+    """Every readable process report of this run, with its role; and the notes on reports that were
+    skipped. ``since``/``host``: a report last written before the run began, or on another host,
+    is an earlier run's or another machine's, and is skipped with a note."""
     import os
 
     from drama3_patches.tools import report
@@ -53,15 +38,22 @@ def processes(report_dir: str, roles: dict) -> tuple[list[Process], list[str]]:
     if not os.path.isdir(report_dir):  # no process enabled the patches, so none made the folder
         return [], []
     collected = report.collect(report_dir)
-    out = []
+    out, notes = [], []
     for data in collected.processes:
+        written = data.get("written_at")
+        if host is not None and data.get("host") != host:
+            notes.append(f"pid {data['pid']}: a report of host {data.get('host')!r}, not this one ({host})")
+            continue
+        if since is not None and (not isinstance(written, (int, float)) or written < since):
+            notes.append(f"pid {data['pid']}: written before this run began (an earlier run's)")
+            continue
         counts = data.get("counts") if isinstance(data.get("counts"), dict) else {}
         out.append(Process(
             pid=data["pid"], role=roles.get(data["pid"], "other (no log prefix)"), enabled=bool(data.get("enabled")),
             states={p["id"]: p["state"] for p in data["patches"]},
             counts={k: v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)},
         ))
-    notes = [f"{path}: {why}" for path, why in collected.skipped] + list(collected.notes)
+    notes = [f"{path}: {why}" for path, why in collected.skipped] + list(collected.notes) + notes
     return out, notes
 
 
@@ -100,20 +92,3 @@ def patch_table(procs: list[Process], tp: int) -> tuple[bool, list[str]]:
             problems.append(f"pid {p.pid} ({p.role}): not applied: "
                             + ", ".join(f"{i} ({p.states.get(i, 'absent')})" for i in missing))
     return not problems, problems
-
-
-_ADVICE = re.compile(r"^\s*(\([\w.-]+ pid=\d+\)\s*)?(INFO|WARNING|DEBUG)\b")
-
-
-def bad_lines(text: str, limit: int = 12) -> tuple[int, list[str]]:
-    """(how many lines match ANYWHERE or, outside advice records, BAD_LINES; the first ``limit``
-    of them with what they are)."""
-    count, shown = 0, []
-    for line in text.splitlines():
-        for what, pattern in ANYWHERE + (() if _ADVICE.match(line) else BAD_LINES):
-            if pattern.search(line):
-                count += 1
-                if len(shown) < limit:
-                    shown.append(f"{what}: {line.strip()[:300]}")
-                break
-    return count, shown

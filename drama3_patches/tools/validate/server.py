@@ -1,14 +1,16 @@
-"""``vllm serve MODEL --omni`` as an operator runs it: started, waited for, read, stopped.
+"""``vllm serve MODEL --omni`` as an operator runs it: started, waited for, stopped with everything it started.
 
-The server runs in its own process group (each stage is a process of its own), its output in
-one log file. The log is read in bounded pieces, never whole into memory at once beyond
-``MAX_LOG_SCAN`` bytes.
+The server runs in a process group and session of its own (each stage and worker is a process of
+that group), its output in one log file (read by ``logscan``). Stopping signals the whole group,
+TERM then, after a bounded wait, KILL, whether or not the leader is still there: a worker that
+outlived a crashed leader is still the server's. Processes that left the group (a new session of
+their own) are found through the process tree, which is noted while the server runs
+(:meth:`Server.note_tree`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -19,9 +21,8 @@ from pathlib import Path
 
 from drama3_patches.tools.files import InputError
 
-MAX_LOG_SCAN = 256 * 1024 * 1024  # a day of INFO lines from every process is far less
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_PREFIX = re.compile(r"\((APIServer|StageEngineCoreProc_stage(\d+)_replica\d+|Worker(?:_TP(\d+))?) pid=(\d+)\)")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+MAX_PROCS = 65536  # /proc entries looked at per scan: bounded even on a crowded host
 
 
 def vllm_command() -> str:
@@ -36,12 +37,137 @@ def vllm_command() -> str:
     return found
 
 
-def start(model: str, deploy: Path, port: int, env: dict, log: Path) -> subprocess.Popen:
+def _child_setup() -> None:
+    """In the server's leader before exec: the signals validate held back while starting it are
+    not held in the server; and a TERM when validate itself dies, however it dies (even SIGKILL,
+    which no handler sees). vLLM's leader stops its stages on TERM."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the signal handlers and stop() still apply
+        pass
+
+
+def _stat(pid: int) -> tuple[int, int, str, int] | None:
+    """(parent pid, process group, state, start time in clock ticks) of a live pid, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read(4096).decode("ascii", "replace")
+    except OSError:
+        return None
+    # the command name is in parentheses and may hold spaces: the fields follow its last ')'
+    fields = raw[raw.rfind(")") + 2:].split()
+    try:
+        return int(fields[1]), int(fields[2]), fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _all_pids() -> list[int]:
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(n) for n in names[:MAX_PROCS * 4] if n.isdigit()][:MAX_PROCS]
+
+
+class Server:
+    """A started server: its leader, its process group, the descendants seen while it ran."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.pgid = proc.pid  # start_new_session: the leader leads its own group
+        self.seen: dict[int, int] = {}  # pid -> start time: descendants noted while the server ran
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self):
+        return self.proc.poll()
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    def note_tree(self) -> None:
+        """Remember every live descendant of the leader and every member of its group."""
+        table = {pid: st for pid in _all_pids() if (st := _stat(pid)) is not None}
+        family = {self.pid}
+        grew = True
+        while grew:
+            grew = False
+            for pid, (ppid, pgrp, state, start) in table.items():
+                if pid not in family and (ppid in family or pgrp == self.pgid):
+                    family.add(pid)
+                    grew = True
+        for pid in family:
+            if pid in table and table[pid][2] != "Z":
+                self.seen.setdefault(pid, table[pid][3])
+
+    def alive(self) -> list[int]:
+        """The server's processes still running (zombies are not): its group's members and the
+        descendants noted before, each the same process (start time) as when noted."""
+        out = []
+        for pid in _all_pids():
+            st = _stat(pid)
+            if st is None or st[2] == "Z":
+                continue
+            if st[1] == self.pgid or self.seen.get(pid) == st[3]:
+                out.append(pid)
+        return out
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group has vanished: nothing of it to signal
+        for pid in self.alive():
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _wait_gone(self, seconds: float) -> list[int]:
+        deadline = time.monotonic() + seconds
+        while True:
+            self.proc.poll()  # reap the leader: a zombie leader would keep the group "alive"
+            left = self.alive()
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.2)
+
+    def stop(self, grace: float = 60.0, kill_wait: float = 30.0) -> dict:
+        """TERM to every process of the server, up to ``grace`` seconds for them to end, then KILL
+        to what is left. Returns what happened: ``{"terminated": n, "killed": n, "left": [pids]}``."""
+        self.proc.poll()
+        self.note_tree()
+        before = self.alive()
+        if not before:
+            self.proc.poll()
+            return {"terminated": 0, "killed": 0, "left": []}
+        self._signal(signal.SIGTERM)
+        stubborn = self._wait_gone(grace)
+        if stubborn:
+            self._signal(signal.SIGKILL)
+        left = self._wait_gone(kill_wait) if stubborn else []
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        return {"terminated": len(before) - len(stubborn), "killed": len(stubborn) - len(left), "left": left}
+
+
+def start(model: str, deploy: Path, port: int, env: dict, log: Path) -> Server:
     argv = [vllm_command(), "serve", model, "--omni", "--deploy-config", str(deploy), "--host", "127.0.0.1",
             "--port", str(port)]
     with open(log, "wb") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        # preexec_fn: validate has started no thread yet, so the fork-then-prctl is safe here
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_child_setup)
+    return Server(proc)
 
 
 def free_port() -> int:
@@ -52,13 +178,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_ready(server: subprocess.Popen, port: int, timeout: float, tick=None) -> tuple[bool, float, str]:
+def wait_ready(server: Server, port: int, timeout: float, tick=None) -> tuple[bool, float, str]:
     """(ready, seconds, why not): polls ``/v1/models`` until it answers 200, the server exits, or
-    ``timeout`` passes. ``tick(seconds)`` is called about every 30 s while waiting."""
+    ``timeout`` passes. ``tick(seconds)`` is called about every 30 s while waiting; the server's
+    process tree is noted on the way."""
     began = time.monotonic()
     told = 0.0
     while True:
         waited = time.monotonic() - began
+        server.note_tree()
         if server.poll() is not None:
             return False, waited, f"the server exited with status {server.returncode} before it was ready"
         if waited > timeout:
@@ -73,60 +201,3 @@ def wait_ready(server: subprocess.Popen, port: int, timeout: float, tick=None) -
             told = waited
             tick(waited)
         time.sleep(2)
-
-
-def stop(server: subprocess.Popen, grace: float = 60) -> None:
-    if server.poll() is not None:
-        return
-    try:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(30)
-    except ProcessLookupError:
-        pass
-
-
-def read_log(log: Path, end: int | None = None) -> str:
-    """The log's text up to byte ``end`` (at most MAX_LOG_SCAN bytes: its last ones), colours removed."""
-    size = log.stat().st_size if end is None else end
-    with open(log, "rb") as fh:
-        fh.seek(max(0, size - MAX_LOG_SCAN))
-        raw = fh.read(min(size, MAX_LOG_SCAN))
-    return _ANSI.sub("", raw.decode("utf-8", "replace"))
-
-
-def process_roles(text: str, multi_rank_stage: int | None = None) -> dict[int, str]:
-    """pid -> role, from the log's ``(ROLE pid=N)`` prefixes: ``api-server``, ``engine-core stage N``,
-    ``worker stage N rank R``. A worker's stage is told by what it loads (stage 0 the DAC encoder
-    for voice references, stage 1 the DAC decoder); its rank by its ``_TP`` suffix, which only a
-    stage of several ranks has: where one rank logs nothing of its loading, that suffix places it
-    in ``multi_rank_stage``."""
-    roles: dict[int, str] = {}
-    ranks: dict[int, int] = {}
-    suffixed: set[int] = set()
-    for match in _PREFIX.finditer(text):
-        name, stage, rank, pid = match.group(1), match.group(2), match.group(3), int(match.group(4))
-        if name == "APIServer":
-            roles.setdefault(pid, "api-server")
-        elif stage is not None:
-            roles.setdefault(pid, f"engine-core stage {stage}")
-        else:
-            roles.setdefault(pid, "worker stage ?")
-            ranks[pid] = int(rank or 0)
-            if rank is not None:
-                suffixed.add(pid)
-    for line in text.splitlines():
-        match = _PREFIX.search(line)
-        if not match or not match.group(1).startswith("Worker"):
-            continue
-        pid = int(match.group(4))
-        if "Loaded DAC codec encoder" in line:
-            roles[pid] = f"worker stage 0 rank {ranks.get(pid, 0)}"
-        elif "DAC codec loaded" in line and not roles[pid].startswith("worker stage 0"):
-            roles[pid] = f"worker stage 1 rank {ranks.get(pid, 0)}"
-    for pid in suffixed:
-        if roles[pid] == "worker stage ?" and multi_rank_stage is not None:
-            roles[pid] = f"worker stage {multi_rank_stage} rank {ranks[pid]}"
-    return roles

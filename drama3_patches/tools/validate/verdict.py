@@ -8,12 +8,9 @@ is a failed check saying so, never a pass. ``report.json`` keeps ``passed``, ``c
 from __future__ import annotations
 
 import json
-import re
+import os
 from dataclasses import dataclass, field
 
-# Lines a graph capture prints at start-up (vLLM's runner, vLLM-Ascend's ACL graphs, Dynamo on CPU).
-CAPTURE = re.compile(r"Graph capturing finished|Capturing (CUDA|ACL|NPU) ?graphs|ACL graph|"
-                     r"torchdynamo done tracing|Compiling a graph for")
 VERSIONED = ("vllm", "vllm-ascend", "vllm-omni", "torch", "torch-npu", "drama3-patches")
 
 
@@ -36,26 +33,33 @@ class Run:
     scale: object
     notes: list = field(default_factory=list)
     checks: dict = field(default_factory=dict)  # phase letter -> Check
+    # every request validate sends is a voice clone, so one count says both
     counts: dict = field(default_factory=lambda: dict.fromkeys(
-        ("requests_completed", "voice_clones_completed", "preemptions", "resumes_verified", "tp_steps_checked"), 0))
+        ("requests_completed", "preemptions", "resumes", "resumes_verified", "tp_steps_checked"), 0))
     bench_levels: list = field(default_factory=list)
     audio: list = field(default_factory=list)
     versions: dict = field(default_factory=dict)
     wall_s: float = 0.0
     ready: bool = False  # the server answered
+    processes: list = field(default_factory=list)  # each process report of the run, with its role
+    ended: str = "completed"  # or how the run was cut short ("interrupted by SIGTERM", ...)
+    stopped: dict = field(default_factory=dict)  # what stopping the server took (server.Server.stop)
+    diagnosis: list = field(default_factory=list)  # report.md's lines on the first failing row
+    facts: dict = field(default_factory=dict)  # host facts summary (facts.collect); whole in host-facts.md
 
     # -- phases --------------------------------------------------------------------------------
 
-    def startup(self, ready: bool, waited: float, why: str, log: str) -> None:
-        captures = len(CAPTURE.findall(log))
+    def startup(self, ready: bool, waited: float, why: str, captures: int) -> None:
+        """``captures``: graph-capture records stage 0's own processes printed (logscan)."""
         self.ready = ready
         if not ready:
             self.checks["a"] = Check("a. start-up", False, f"{why} ({waited:.0f} s); see server.log", wall_s=waited)
             return
         if self.compiled:
             ok = captures > 0
-            detail = (f"ready in {waited:.0f} s; stage 0 compiled: {captures} graph-capture line(s) in the log"
-                      if ok else f"ready in {waited:.0f} s, but stage 0 should compile and no graph capture was logged")
+            detail = (f"ready in {waited:.0f} s; stage 0 compiled: {captures} graph-capture line(s) from stage 0"
+                      if ok else f"ready in {waited:.0f} s, but stage 0 should compile and none of its processes "
+                                 "logged a graph capture")
         else:
             ok, detail = True, f"ready in {waited:.0f} s; stage 0 eager (enforce_eager): no graph capture"
         self.checks["a"] = Check("a. start-up", ok, detail, wall_s=waited)
@@ -77,7 +81,8 @@ class Run:
     def preemption(self, phase, before: dict, after: dict, audio: list) -> None:
         self.audio += audio
         d = {k: after[k] - before[k] for k in after}
-        self.counts["preemptions"], self.counts["resumes_verified"] = d["preemptions"], d["resumes_verified"]
+        for key in ("preemptions", "resumes", "resumes_verified"):
+            self.counts[key] = d[key]
         problems = phase.problems
         why = []
         if d["preemptions"] < 1:
@@ -97,17 +102,17 @@ class Run:
 
     def bench(self, levels: list, wall_s: float) -> None:
         self.bench_levels = levels
-        done = sum(lv["completed"] for lv in levels)
-        self.counts["requests_completed"] += done
-        self.counts["voice_clones_completed"] += done
+        self.counts["requests_completed"] += sum(lv["completed"] for lv in levels)
         failed = [f"{f['utt']}: {f['error']}" for lv in levels for f in lv["failures"]]
         parts = [f"c{lv['max_concurrency']}: TTFA p50 {_ms(lv['median_ttft_ms'])}, "
                  f"{_num(lv['audio_throughput'])} audio s/s, RTF {_num(lv['mean_rtf'])}" for lv in levels]
         detail = "; ".join(parts) + ("; failed: " + "; ".join(failed[:4]) if failed else "")
         self.checks["g"] = Check("g. bench", not failed, detail, wall_s=wall_s)
 
-    def final(self, counts: dict, procs: list, skipped: list, log: str,
+    def final(self, counts: dict, procs: list, skipped: list, scan,
               not_run: str = "the server never became ready") -> None:
+        """The rows judged on what the whole run left: counts, process reports, the log (``scan``:
+        a ``logscan.LogScan`` read up to the stop)."""
         from drama3_patches.tools.validate import evidence
 
         self.counts["tp_steps_checked"] = counts["tp_steps_checked"]
@@ -115,11 +120,10 @@ class Run:
                              ("c", "c. preemption and resume"), ("g", "g. bench")):
             if letter not in self.checks:
                 self.checks[letter] = Check(name, False, f"not run: {not_run}")
-        drift = "TensorParallelDrift" in log
         if self.tp > 1:
-            ok = counts["tp_steps_checked"] > 0 and not drift
+            ok = counts["tp_steps_checked"] > 0 and not scan.drift
             detail = (f"{counts['tp_steps_checked']} step(s) compared across {self.tp} ranks"
-                      + ("; TensorParallelDrift in the log" if drift else "")
+                      + ("; TensorParallelDrift in the log" if scan.drift else "")
                       + ("" if counts["tp_steps_checked"] else ": no step was compared"))
             self.checks["d"] = Check("d. rank agreement", ok, detail)
         else:
@@ -133,15 +137,21 @@ class Run:
         self.checks["e"] = Check("e. patch states", ok, detail)
         self.processes = [{"pid": p.pid, "role": p.role, "enabled": p.enabled, "states": p.states,
                            "counts": p.counts} for p in procs]
-        count, shown = evidence.bad_lines(log)
+        count, shown = scan.bad_count, scan.bad_shown
         detail = "no device, collective or traceback line" if not count else \
             f"{count} line(s): " + " | ".join(shown)
         self.checks["f"] = Check("f. server log", count == 0 and self.ready, detail if self.ready else
                                  f"the server did not start; {detail}")
 
+    def diagnose(self, matcher) -> None:
+        """report.md's diagnosis: the first failing row and, from the log's signatures, the likely
+        cause and its fix (``diagnose.explain``)."""
+        from drama3_patches.tools.validate import diagnose
+
+        self.diagnosis = diagnose.explain(self.first_failed, matcher)
+
     def _served(self, phase) -> None:
         self.counts["requests_completed"] += phase.completed
-        self.counts["voice_clones_completed"] += phase.completed
 
     # -- the report ----------------------------------------------------------------------------
 
@@ -152,6 +162,10 @@ class Run:
     def ordered(self) -> list[Check]:
         return [self.checks[k] for k in sorted(self.checks)]
 
+    @property
+    def first_failed(self) -> Check | None:
+        return next((c for c in self.ordered() if not c.passed), None)
+
     def json(self) -> str:
         return json.dumps({
             "passed": self.passed,
@@ -161,8 +175,10 @@ class Run:
             "profile": self.profile, "model": self.model,
             "stage0": {"tensor_parallel_size": self.tp, "expert_parallel": self.ep, "compiled": self.compiled,
                        "kv_blocks": self.scale.kv_blocks, "max_model_len": self.scale.max_model_len},
-            "versions": self.versions, "bench": self.bench_levels, "processes": getattr(self, "processes", []),
-            "audio": self.audio, "notes": self.notes, "wall_s": self.wall_s,
+            "versions": self.versions, "bench": self.bench_levels, "processes": self.processes,
+            "audio": self.audio, "notes": self.notes, "wall_s": self.wall_s, "ended": self.ended,
+            "first_failed": self.first_failed.name if self.first_failed else None,
+            "diagnosis": self.diagnosis, "server_stop": self.stopped, "facts": self.facts,
         }, indent=1, default=str)
 
     def markdown(self) -> str:
@@ -178,14 +194,32 @@ class Run:
             head.append(f"| {c.name} | {result} | {c.detail.replace('|', '/')} | {wall} |")
         n = self.counts
         head += ["",
-                 "| requests completed | voice clones | preemptions (c) | resumes verified (c) | TP steps checked |",
+                 "| requests completed (each a voice clone) | preemptions (c) | resumes (c) | resumes verified (c) "
+                 "| TP steps checked |",
                  "| --- | --- | --- | --- | --- |",
-                 f"| {n['requests_completed']} | {n['voice_clones_completed']} | {n['preemptions']} | "
-                 f"{n['resumes_verified']} | {n['tp_steps_checked']} |"]
+                 f"| {n['requests_completed']} | {n['preemptions']} | {n['resumes']} | {n['resumes_verified']} | "
+                 f"{n['tp_steps_checked']} |"]
+        if self.diagnosis:
+            head += ["", "### Diagnosis", ""] + self.diagnosis
+        if self.ended != "completed":
+            head += ["", f"The run was {self.ended}; rows that did not run are failures."]
+        if self.stopped:
+            left = self.stopped.get("left") or []
+            head += ["", f"Server stopped: {self.stopped.get('terminated', 0)} process(es) ended on TERM, "
+                         f"{self.stopped.get('killed', 0)} needed KILL"
+                         + (f"; **{len(left)} still running** (pid {', '.join(map(str, left))})" if left else "")
+                         + "."]
         if self.notes:
             head += ["", "Notes:"] + [f"- {line}" for line in self.notes]
-        head += ["", f"Whole run {self.wall_s:.0f} s."]
+        head += ["", f"Whole run {self.wall_s:.0f} s. Host facts for a bug report: host-facts.md."]
         return "\n".join(head) + "\n"
+
+    def write(self, out) -> None:
+        """``report.json`` and ``report.md`` in ``out``, each replaced whole (never half written)."""
+        for name, text in (("report.json", self.json()), ("report.md", self.markdown())):
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
 
 
 def _ms(value) -> str:

@@ -1,0 +1,182 @@
+"""The server's log, read once, as it grows: each line goes past every reader that needs it.
+
+:class:`LogScan` reads ``server.log`` from where it stopped last time, in bounded chunks (a line
+longer than ``MAX_LINE`` bytes is cut there), and keeps only what the rows and the diagnosis
+use: the processes' roles, stage 0's graph-capture lines, the lines no healthy run prints, the
+known failure signatures with the line that showed each, and the last lines. Its memory does
+not grow with the log.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, deque
+
+from drama3_patches.tools.validate import diagnose
+
+CHUNK = 1024 * 1024
+MAX_LINE = 16 * 1024
+TAIL_LINES = 200
+SHOWN_BAD = 12
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PREFIX = re.compile(r"\((APIServer|StageEngineCoreProc_stage(\d+)_replica\d+|Worker(?:_TP(\d+))?) pid=(\d+)\)")
+# The record's level right after the prefix, as vLLM's formatter writes it ("(X pid=N) INFO 12-04 ...").
+_LEVEL = re.compile(r"^\s*(?:\([\w.-]+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+# Lines a graph capture prints at start-up (vLLM's runner, vLLM-Ascend's ACL graphs, Dynamo on CPU).
+CAPTURE = re.compile(r"Graph capturing finished|Capturing (CUDA|ACL|NPU) ?graphs|ACL graph|"
+                     r"torchdynamo done tracing|Compiling a graph for")
+
+# A line of the server's log that no healthy run prints: (what, pattern). The first two count
+# wherever they appear; the others only outside INFO / WARNING / DEBUG records, whose advice
+# ("... will cause a CUDA array out-of-bounds error") names failures that did not happen.
+ANYWHERE = (
+    ("traceback", re.compile(r"Traceback \(most recent call last\)")),
+    ("runtime check", re.compile(r"TensorParallelDrift|ResumedHistoryMismatch")),
+)
+BAD_LINES = (
+    ("device error", re.compile(r"\b(ACL|aclnn|AclNN|CANN|NPU|CUDA|HBM)\b.*\b(error|failed|fault)\b|"
+                                r"\bE[ZEHLKRJ]\d{4}\b|device-side assert|RuntimeError: .*(npu|NPU|device)")),
+    ("collective error", re.compile(r"\b(HCCL|NCCL|hccl|nccl|gloo|Gloo)\b.*\b(error|timeout|timed out|failed)\b|"
+                                    r"Connection reset by peer|DistBackendError|DistNetworkError")),
+    ("out of memory", re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)),
+    ("engine died", re.compile(r"EngineDeadError|Engine core.*(died|failed)|worker.*died unexpectedly",
+                               re.IGNORECASE)),
+)
+_ADVICE = {"INFO", "WARNING", "DEBUG"}
+
+
+class Roles:
+    """pid -> role from the log's ``(ROLE pid=N)`` prefixes: ``api-server``, ``engine-core stage N``,
+    ``worker stage N rank R``. A worker's stage is told by what it loads (stage 0 the DAC encoder
+    for voice references, stage 1 the DAC decoder); its rank by its ``_TP`` suffix, which only a
+    stage of several ranks has: where one rank logs nothing of its loading, that suffix places it
+    in the stage given to :meth:`resolved`."""
+
+    def __init__(self) -> None:
+        self.roles: dict[int, str] = {}
+        self.ranks: dict[int, int] = {}
+        self.suffixed: set[int] = set()
+
+    def feed(self, line: str, match: re.Match | None) -> None:
+        if match is None:
+            return
+        name, stage, rank, pid = match.group(1), match.group(2), match.group(3), int(match.group(4))
+        if name == "APIServer":
+            self.roles.setdefault(pid, "api-server")
+            return
+        if stage is not None:
+            self.roles.setdefault(pid, f"engine-core stage {stage}")
+            return
+        self.roles.setdefault(pid, "worker stage ?")
+        self.ranks.setdefault(pid, int(rank or 0))
+        if rank is not None:
+            self.suffixed.add(pid)
+        if "Loaded DAC codec encoder" in line:
+            self.roles[pid] = f"worker stage 0 rank {self.ranks[pid]}"
+        elif "DAC codec loaded" in line and not self.roles[pid].startswith("worker stage 0"):
+            self.roles[pid] = f"worker stage 1 rank {self.ranks[pid]}"
+
+    def resolved(self, multi_rank_stage: int | None = None) -> dict[int, str]:
+        roles = dict(self.roles)
+        for pid in self.suffixed:
+            if roles[pid] == "worker stage ?" and multi_rank_stage is not None:
+                roles[pid] = f"worker stage {multi_rank_stage} rank {self.ranks[pid]}"
+        return roles
+
+
+def process_roles(text: str, multi_rank_stage: int | None = None) -> dict[int, str]:
+    """:class:`Roles` of a whole text (tests, short logs)."""
+    roles = Roles()
+    for line in text.splitlines():
+        roles.feed(line, _PREFIX.search(line))
+    return roles.resolved(multi_rank_stage)
+
+
+def is_stage0(role: str) -> bool:
+    return role == "engine-core stage 0" or role.startswith("worker stage 0")
+
+
+class LogScan:
+    """What the rows read from ``server.log``, gathered as the log grows (:meth:`poll`)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.offset = 0
+        self._partial = b""
+        self.lines = 0
+        self.roles = Roles()
+        self.captures: Counter = Counter()  # pid -> graph-capture records (INFO/DEBUG or unlevelled)
+        self.bad_count = 0
+        self.bad_shown: list[str] = []
+        self.drift = False
+        self.found = diagnose.Matcher()
+        self.tail: deque = deque(maxlen=TAIL_LINES)
+
+    def poll(self, until: int | None = None) -> None:
+        """Read what the log gained since the last call (up to byte ``until``), line by line."""
+        try:
+            fh = open(self.path, "rb")
+        except OSError:
+            return
+        with fh:
+            fh.seek(self.offset)
+            while until is None or self.offset < until:
+                want = CHUNK if until is None else min(CHUNK, until - self.offset)
+                raw = fh.read(want)
+                if not raw:
+                    break
+                self.offset += len(raw)
+                self._split(raw)
+
+    def feed_text(self, text: str) -> None:
+        """Lines given as text (a log excerpt), as if the log had grown by them."""
+        self._split(text.encode("utf-8"))
+
+    def finish(self) -> None:
+        """The last line, if the log does not end with a newline."""
+        if self._partial:
+            self._line(self._partial)
+            self._partial = b""
+
+    def _split(self, raw: bytes) -> None:
+        data = self._partial + raw
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            self._line(data[start:end])
+            start = end + 1
+        rest = data[start:]
+        # an endless line is cut into MAX_LINE pieces: memory stays bounded
+        while len(rest) > MAX_LINE:
+            self._line(rest[:MAX_LINE])
+            rest = rest[MAX_LINE:]
+        self._partial = rest
+
+    def _line(self, raw: bytes) -> None:
+        line = _ANSI.sub("", raw[:MAX_LINE].decode("utf-8", "replace")).rstrip("\r")
+        self.lines += 1
+        self.tail.append(line)
+        match = _PREFIX.search(line)
+        self.roles.feed(line, match)
+        level = _LEVEL.match(line)
+        level = level.group(1) if level else None
+        if match is not None and level in (None, "INFO", "DEBUG") and CAPTURE.search(line):
+            self.captures[int(match.group(4))] += 1
+        if "TensorParallelDrift" in line:
+            self.drift = True
+        self.found.feed(line, self.tail)
+        for what, pattern in ANYWHERE + (() if level in _ADVICE else BAD_LINES):
+            if pattern.search(line):
+                self.bad_count += 1
+                if len(self.bad_shown) < SHOWN_BAD:
+                    self.bad_shown.append(f"{what}: {line.strip()[:300]}")
+                break
+
+    def role_map(self, multi_rank_stage: int | None = None) -> dict[int, str]:
+        return self.roles.resolved(multi_rank_stage)
+
+    def stage0_captures(self, roles: dict[int, str]) -> int:
+        """Graph-capture records printed by stage 0's engine core or workers."""
+        return sum(n for pid, n in self.captures.items() if is_stage0(roles.get(pid, "")))
