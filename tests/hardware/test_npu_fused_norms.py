@@ -5,6 +5,9 @@ twice: on the fused path (``drama3_patches.kernels.npu_fused`` finds ``npu_rms_n
 ``npu_add_rms_norm``) and on the eager path (``DRAMA3_PATCHES_NPU_FUSED=0``). The results must
 agree within the tolerance, and the frame's launches stay within the budget, that
 tests/kernels/test_npu_fused_path.py holds the CPU stand-ins to (both from ``support.fused_path``).
+Before either, the ops must pass the package's own self-check on the card (``npu_fused``: arity,
+shapes, closeness to the eager norm) for every dtype they are offered for, and the self-check must
+reject a wrapper of the real op that returns ``y`` alone.
 
 Each check runs in a fresh interpreter (``subproc.call``): the device runtime never starts in
 the test process, which forks for other tests.
@@ -12,6 +15,7 @@ the test process, which forks for other tests.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -20,9 +24,14 @@ from support.subproc import call
 from support.tiers import TORCH_ABSENT
 
 pytest.importorskip("torch", reason=TORCH_ABSENT)
+from drama3_patches.kernels.npu_fused import FUSED_DTYPES  # noqa: E402
 from support.fused_path import BATCHES, PER_FRAME  # noqa: E402  (imports torch)
 
 pytestmark = pytest.mark.npu
+
+
+_FAILED_SELF_CHECK = ("torch-npu's fused norms failed the self-check on bfloat16 (its warning names why): "
+                      "the fused path never ran")
 
 
 def _fused_or_skip(out: dict) -> None:
@@ -30,10 +39,20 @@ def _fused_or_skip(out: dict) -> None:
         pytest.skip(f"torch_npu {out['torch_npu']} has no npu_rms_norm/npu_add_rms_norm: the kernels stay eager")
 
 
+def test_fused_norms_pass_their_self_check_on_the_card():
+    out = call(self_check_on_card)
+    _fused_or_skip(out)
+    assert out["proven"] == {str(dtype): True for dtype in FUSED_DTYPES}, out["log"]
+    # the check can fail here: the real op with torch-npu's arity taken away is refused, once
+    assert out["row_only_proven"] is False, out["row_only_log"]
+    assert len(out["row_only_log"]) == 1 and "npu_rms_norm returned" in out["row_only_log"][0], out["row_only_log"]
+
+
 @pytest.mark.parametrize("batch", BATCHES, ids=[f"batch{b}" for b in BATCHES])
 def test_fused_norms_on_the_card_agree_with_the_eager_path_at_tower_shapes(batch):
     out = call(fused_against_eager, batch)
     _fused_or_skip(out)
+    assert out["proven"], _FAILED_SELF_CHECK
     assert out["eager_path"], "the opt-out did not switch the kernels to the eager path"
     assert out["mismatches"] == {}, out["deviation"]
     # the residual variants' sums (x + residual, or + the masked code row, in x's dtype) and the gate
@@ -44,18 +63,48 @@ def test_fused_norms_on_the_card_agree_with_the_eager_path_at_tower_shapes(batch
 def test_fused_path_launches_per_frame_on_the_card_within_the_budget(batch):
     out = call(launches_on_card, batch)
     _fused_or_skip(out)
+    assert out["proven"], _FAILED_SELF_CHECK
     assert out["fused_ops"] > 0, out["per_call"]  # the fused path ran
     assert out["frame"] <= PER_FRAME[batch], out["per_call"]
 
 
 def _torch_npu_state() -> dict:
+    """Whether the detection found both ops, and whether they passed the self-check on bfloat16."""
     import torch
     import torch_npu
 
     from drama3_patches.kernels import npu_fused
 
-    return {"fused": npu_fused.fused_norms(torch.device("npu")) is not None,
+    npu = torch.device("npu")
+    fused = npu_fused.fused_norms(npu)
+    return {"fused": fused is not None, "proven": fused is not None and fused.proven(npu, torch.bfloat16),
             "torch_npu": getattr(torch_npu, "__version__", "?")}
+
+
+def self_check_on_card() -> dict:
+    """The self-check's verdict for each dtype on the real ops, and on the real ``npu_rms_norm``
+    made to return ``y`` alone, with what each logged."""
+    import torch
+    import torch_npu
+
+    from drama3_patches.kernels import npu_fused
+    from support.logs import captured
+
+    with captured(npu_fused.logger.name, logging.INFO) as lines:
+        out = _torch_npu_state()  # bfloat16 first, as the tower asks
+        if not out["fused"]:
+            return out
+        npu = torch.device("npu")
+        fused = npu_fused.fused_norms(npu)
+        out["proven"] = {str(dtype): fused.proven(npu, dtype) for dtype in FUSED_DTYPES}
+    out["log"] = list(lines)
+    row_only = npu_fused.FusedNorms(lambda x, gamma, eps: torch_npu.npu_rms_norm(x, gamma, eps)[0],
+                                    torch_npu.npu_add_rms_norm)
+    with captured(npu_fused.logger.name, logging.WARNING) as lines:
+        out["row_only_proven"] = row_only.proven(npu, torch.bfloat16)
+        row_only.proven(npu, torch.bfloat16)
+    out["row_only_log"] = list(lines)
+    return out
 
 
 def _run(calls: dict, names) -> dict:
@@ -77,7 +126,7 @@ def fused_against_eager(batch: int) -> dict:
     from support.tower_calls import tower_calls
 
     out = _torch_npu_state()
-    if not out["fused"]:
+    if not out["proven"]:
         return out
     import torch
 
@@ -115,7 +164,7 @@ def launches_on_card(batch: int) -> dict:
     from support.tower_calls import tower_calls
 
     out = _torch_npu_state()
-    if not out["fused"]:
+    if not out["proven"]:
         return out
     counts = {}
     for name, (kernel, args, kwargs) in tower_calls(batch, device="npu").items():

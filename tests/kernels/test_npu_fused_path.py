@@ -10,7 +10,12 @@ monkeypatched to a backend built on them, the kernels take the path they take on
 (b) the launches per call and per frame stay within ``support.fused_path`` (the budget the
     card is held to in tests/hardware/test_npu_fused_norms.py);
 (c) the detection answers None for CPU tensors, for an ``npu`` device without torch-npu's ops
-    and under ``DRAMA3_PATCHES_NPU_FUSED=0``, and never imports torch_npu for a CPU tensor.
+    and under ``DRAMA3_PATCHES_NPU_FUSED=0``, and never imports torch_npu for a CPU tensor;
+(d) on the simulated ``npu`` device (``support.fake_npu``), the ops the detection finds prove
+    themselves once per dtype before use: a correct pair passes and is used; a pair with one op of
+    the wrong arity, the wrong shape, wrong values, or one that raises gives exactly one warning
+    naming the op and the difference, and every norm kernel returns the eager path's result bit for
+    bit. The self-check's reference is the eager gemma norm, bit for bit.
 
 The CPU path itself is held bit for bit and launch for launch by test_kernels_fish_omni.py and
 test_launch_budget.py.
@@ -19,6 +24,7 @@ test_launch_budget.py.
 from __future__ import annotations
 
 import importlib.abc
+import logging
 import sys
 import types
 
@@ -32,8 +38,9 @@ from drama3_patches import env  # noqa: E402
 from drama3_patches.kernels import norms, npu_fused  # noqa: E402
 from support.fused_path import (  # noqa: E402
     BATCHES, FUSED_KERNELS, PER_CALL, PER_FRAME, assert_bf16_close, budget, frame_launches)
-from support.fused_standin import STAND_IN  # noqa: E402
+from support.fused_standin import FAULTS, STAND_IN, faulty  # noqa: E402
 from support.launches import count  # noqa: E402
+from support.logs import captured  # noqa: E402
 from support.tower_calls import CALLS_PER_FRAME, tower_calls  # noqa: E402
 
 # which fused ops each call makes on the fused path
@@ -209,11 +216,12 @@ def test_opt_out_variable_with_a_bad_value_warns_and_keeps_the_eager_path(monkey
     assert env.NPU_FUSED in capsys.readouterr().err
 
 
-def _fake_torch_npu(*names: str) -> tuple[types.ModuleType, list]:
-    """A ``torch_npu`` module holding the stand-in ops under torch-npu's names; calls are noted."""
+def _fake_torch_npu(*names: str, **replaced) -> tuple[types.ModuleType, list]:
+    """A ``torch_npu`` module holding the stand-in ops under torch-npu's names (``replaced``: other
+    callables under some of them); calls are noted."""
     module, calls = types.ModuleType("torch_npu"), []
     ops = {"npu_rms_norm": torch.ops.drama3_test.fused_rms_norm,
-           "npu_add_rms_norm": torch.ops.drama3_test.fused_add_rms_norm}
+           "npu_add_rms_norm": torch.ops.drama3_test.fused_add_rms_norm, **replaced}
 
     def noting(name):
         def op(*args):
@@ -249,7 +257,8 @@ def test_on_an_npu_device_the_kernels_use_the_imported_torch_npu_ops(npu_device,
     r = tower_calls(4)["gemma_rms_norm+residual"][2]["residual"]
     got = norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps)
     got_y, got_sum = norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps, npu_device.to_npu(r))
-    assert calls == ["npu_rms_norm", "npu_add_rms_norm"]
+    # the self-check's two calls, then the kernels'
+    assert calls == ["npu_rms_norm", "npu_add_rms_norm", "npu_rms_norm", "npu_add_rms_norm"]
     assert got.device.type == "npu"
     assert_bf16_close(got.cpu(), norms.gemma_rms_norm(x, w, eps))
     want_y, want_sum = norms.gemma_rms_norm(x, w, eps, r)
@@ -279,3 +288,114 @@ def test_on_an_npu_device_without_both_ops_the_detection_is_none(npu_device, mon
     x, w, eps = tower_calls(4)["gemma_rms_norm"][1]
     assert torch.equal(norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps).cpu(),
                        norms.gemma_rms_norm(x, w, eps))
+
+
+# -- (d) the self-check --------------------------------------------------------------------------
+
+_NPU_FUSED_LOGGER = "vllm.drama3_patches.kernels.npu_fused"
+# what the warning says for each fault (after the op's name)
+_FAULT_WORDS = {"arity": "expected a tuple of", "shape": "of shape (1, ", "values": "differs from",
+                "raises": "raised RuntimeError: "}
+
+
+def test_self_check_tolerance_is_the_tests_tolerance():
+    from support import fused_path
+
+    assert npu_fused.TOLERANCE == fused_path.TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", npu_fused.FUSED_DTYPES, ids=str)
+def test_self_check_reference_is_the_eager_gemma_norm_bit_for_bit(dtype):
+    """What the probe expects is what the CPU's eager kernels return for its inputs, and its rows
+    differ, so a result taken from one row (or broadcast) cannot match."""
+    inputs, wants = npu_fused.probe(dtype)
+    x3, x2, r, w = inputs["x3"], inputs["x2"], inputs["residual"], inputs["weight"]
+    assert x3.dtype == x2.dtype == r.dtype == w.dtype == dtype
+    assert torch.equal(wants["rms_norm"], norms.gemma_rms_norm(x3, w, 1e-6))
+    want_y, want_sum = norms.gemma_rms_norm(x2, w, 1e-6, r)
+    assert torch.equal(wants["add_rms_norm"][0], want_y) and torch.equal(wants["add_rms_norm"][1], want_sum)
+    assert torch.equal(want_sum.to(torch.float32), x2.to(torch.float32) + r.to(torch.float32))  # exact sums
+    for rows in (x3, x2, wants["rms_norm"], want_y):
+        assert all(not torch.equal(rows[0], rows[i]) for i in range(1, rows.shape[0]))
+
+
+def _noted(*ops) -> tuple[npu_fused.FusedNorms, list]:
+    calls = []
+
+    def noting(name, op):
+        def call(*args):
+            calls.append(name)
+            return op(*args)
+        return call
+
+    return npu_fused.FusedNorms(*(noting(n, op) for n, op in zip(("rms_norm", "add_rms_norm"), ops))), calls
+
+
+def test_while_tracing_no_probe_runs_and_no_verdict_is_kept(monkeypatch):
+    fused, calls = _noted(torch.ops.drama3_test.fused_rms_norm, torch.ops.drama3_test.fused_add_rms_norm)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fused.proven(cpu, torch.bfloat16) is False and calls == []
+    monkeypatch.undo()
+    assert fused.proven(cpu, torch.bfloat16) is True and calls == ["rms_norm", "add_rms_norm"]
+
+
+def test_a_self_check_that_cannot_run_warns_once_and_keeps_the_eager_path(monkeypatch):
+    def no_probe(dtype):
+        raise RuntimeError("no memory for the probe")
+
+    monkeypatch.setattr(npu_fused, "probe", no_probe)
+    fused, calls = _noted(torch.ops.drama3_test.fused_rms_norm, torch.ops.drama3_test.fused_add_rms_norm)
+    with captured(_NPU_FUSED_LOGGER, logging.WARNING) as lines:
+        assert fused.proven(torch.device("cpu"), torch.bfloat16) is False
+        assert fused.proven(torch.device("cpu"), torch.bfloat16) is False
+    assert calls == [] and len(lines) == 1, lines
+    assert "could not run (RuntimeError: no memory for the probe)" in lines[0]
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("dtype", npu_fused.FUSED_DTYPES, ids=str)
+def test_on_an_npu_device_correct_ops_pass_the_self_check_once_per_dtype_and_are_used(npu_device, monkeypatch,
+                                                                                        dtype):
+    module, calls = _fake_torch_npu("npu_rms_norm", "npu_add_rms_norm")
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    x, w, eps = tower_calls(4, dtype=dtype)["gemma_rms_norm"][1]
+    with captured(_NPU_FUSED_LOGGER, logging.INFO) as lines:
+        for _ in range(3):
+            got = norms.gemma_rms_norm(npu_device.to_npu(x), npu_device.to_npu(w), eps)
+    # the self-check (both ops, once), then one fused call per kernel call
+    assert calls == ["npu_rms_norm", "npu_add_rms_norm"] + ["npu_rms_norm"] * 3
+    assert_bf16_close(got.cpu(), norms.gemma_rms_norm(x, w, eps))
+    assert len(lines) == 1 and "passed their self-check on npu" in lines[0], lines
+    # another dtype is checked on its own, at its first use
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    norms.gemma_rms_norm(npu_device.to_npu(x.to(other)), npu_device.to_npu(w), eps)
+    assert calls[5:] == ["npu_rms_norm", "npu_add_rms_norm", "npu_rms_norm"]
+
+
+def _eager_on_cpu(batch: int) -> dict:
+    calls = tower_calls(batch)
+    return {name: _outputs(calls[name][0](*calls[name][1], **calls[name][2])) for name in FUSED_KERNELS}
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("op", ["npu_rms_norm", "npu_add_rms_norm"])
+def test_on_an_npu_device_a_faulty_op_fails_the_self_check_with_one_warning_and_the_eager_path_is_used(
+        npu_device, monkeypatch, op, fault):
+    module, calls = _fake_torch_npu("npu_rms_norm", "npu_add_rms_norm", **{op: faulty(op, fault)})
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    want = _eager_on_cpu(4)
+    on_npu = tower_calls(4, device="npu")
+    with captured(_NPU_FUSED_LOGGER, logging.WARNING) as lines:
+        for _ in range(2):
+            got = {name: _outputs(on_npu[name][0](*on_npu[name][1], **on_npu[name][2])) for name in FUSED_KERNELS}
+    assert len(lines) == 1, lines
+    assert f"{op} " in lines[0] or f"{op}'s " in lines[0], lines[0]
+    assert _FAULT_WORDS[fault] in lines[0].split(op, 1)[1], lines[0]
+    assert "keep the eager torch path" in lines[0]
+    assert calls == ["npu_rms_norm", "npu_add_rms_norm"]  # the self-check's calls; none since
+    for name in FUSED_KERNELS:
+        assert len(got[name]) == len(want[name])
+        for g, e in zip(got[name], want[name]):
+            assert g.device.type == "npu" and torch.equal(g.cpu(), e), name

@@ -20,7 +20,8 @@ BATCHES = (1, 64)
 #: the calls that normalise: the ones the fused ops change
 FUSED_KERNELS = ("fused_qk_rmsnorm_rope_gate", "gemma_rms_norm", "gemma_rms_norm+residual",
                  "gemma_rms_norm_table", "tower_mix_norm")
-#: two bfloat16 ulps (both paths round the product once; the fused one also rounds gamma)
+#: two bfloat16 ulps (both paths round the product once; the fused one also rounds gamma); the
+#: package's self-check (``npu_fused.TOLERANCE``) must hold the ops to the same, which a test checks
 TOLERANCE = 2.0 ** -6
 
 # launches per call: (batch 1, batch 64)

@@ -5,6 +5,9 @@ They compute the fused ops' formula in float32 (not torch-npu's arithmetic) and 
 kernels promise never to pass them (strided rows, gamma in another dtype). Used by
 tests/kernels/test_npu_fused_path.py (monkeypatched detection) and by the e2e tier's dispatch
 count (``DRAMA3_E2E_FUSED_STANDIN=1``: tests/e2e/site/e2e_dispatch.py).
+
+:func:`faulty` gives each op with one of the faults the self-check in ``npu_fused`` must catch
+(a torch-npu of another arity, shape, arithmetic, or one that refuses the call).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import Tensor
 
 from drama3_patches.kernels import npu_fused
 
-__all__ = ["STAND_IN", "fused_add_rms_norm", "fused_rms_norm"]
+__all__ = ["FAULTS", "STAND_IN", "faulty", "fused_add_rms_norm", "fused_rms_norm"]
 
 
 def _check_operands(x: Tensor, gamma: Tensor) -> None:
@@ -47,3 +50,50 @@ def fused_add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float) ->
 
 
 STAND_IN = npu_fused.FusedNorms(torch.ops.drama3_test.fused_rms_norm, torch.ops.drama3_test.fused_add_rms_norm)
+
+
+#: what :func:`faulty` can get wrong
+FAULTS = ("arity", "shape", "values", "raises")
+
+
+def faulty(op: str, fault: str):
+    """torch-npu's ``op`` (``"npu_rms_norm"`` or ``"npu_add_rms_norm"``) stood in for with ``fault``:
+
+    * ``arity``: ``npu_rms_norm`` returns ``y`` alone, ``npu_add_rms_norm`` ``(y, x_sum)``;
+    * ``shape``: ``y`` (rms_norm) or ``x_sum`` (add_rms_norm) gains a leading dimension of one,
+      which broadcasts silently into whatever adds it;
+    * ``values``: rms_norm leaves ``gamma`` out of ``y``; add_rms_norm returns ``x1`` as ``x_sum``
+      (the residual never added);
+    * ``raises``: every call raises ``RuntimeError``, as an op refusing a dtype does.
+    """
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
+
+    def refuse(x):
+        raise RuntimeError(f"{op} (stand-in): {x.dtype} is not supported")
+
+    def rms_norm(x, gamma, epsilon=1e-6):
+        if fault == "raises":
+            refuse(x)
+        y, rstd = fused_rms_norm(x, gamma, epsilon)
+        if fault == "arity":
+            return y
+        if fault == "shape":
+            return y.unsqueeze(0), rstd
+        return fused_rms_norm(x, torch.ones_like(gamma), epsilon)[0], rstd
+
+    def add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+        if fault == "raises":
+            refuse(x1)
+        y, rstd, x_sum = fused_add_rms_norm(x1, x2, gamma, epsilon)
+        if fault == "arity":
+            return y, x_sum
+        if fault == "shape":
+            return y, rstd, x_sum.unsqueeze(0)
+        return y, rstd, x1.clone()
+
+    if op == "npu_rms_norm":
+        return rms_norm
+    if op == "npu_add_rms_norm":
+        return add_rms_norm
+    raise ValueError(f"unknown op {op!r}")
