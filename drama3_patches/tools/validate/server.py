@@ -37,17 +37,28 @@ def vllm_command() -> str:
     return found
 
 
-def _child_setup() -> None:
-    """In the server's leader before exec: the signals validate held back while starting it are
-    not held in the server; and a TERM when validate itself dies, however it dies (even SIGKILL,
-    which no handler sees). vLLM's leader stops its stages on TERM."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+def _child_setup(prctl):
+    """What the server's leader runs between fork and exec: the signals validate held back while
+    starting it are not held in the server; and, where ``prctl`` is there (Linux), a TERM when
+    validate's main thread ends, however it ends (even SIGKILL, which no handler sees): vLLM's
+    leader stops its stages on TERM. Only C calls here: nothing may take a lock another thread
+    held at the fork."""
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    return setup
+
+
+def _prctl():
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: the signal handlers and stop() still apply
-        pass
+        return None
 
 
 def _stat(pid: int) -> tuple[int, int, str, int] | None:
@@ -164,9 +175,8 @@ def start(model: str, deploy: Path, port: int, env: dict, log: Path) -> Server:
     argv = [vllm_command(), "serve", model, "--omni", "--deploy-config", str(deploy), "--host", "127.0.0.1",
             "--port", str(port)]
     with open(log, "wb") as out:
-        # preexec_fn: validate has started no thread yet, so the fork-then-prctl is safe here
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_child_setup)
+                                start_new_session=True, preexec_fn=_child_setup(_prctl()))
     return Server(proc)
 
 
