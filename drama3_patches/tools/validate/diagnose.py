@@ -81,13 +81,13 @@ SIGNATURES = (
         "ASCEND_RT_VISIBLE_DEVICES, and HCCL_CONNECT_TIMEOUT / HCCL_EXEC_TIMEOUT"),
     Signature(
         "ranks drifted",
-        _re(r"TensorParallelDrift"),
+        _re(r"TensorParallelDrift: "),  # the exception's own line, not the traceback's source line
         "the tensor-parallel ranks sampled different frames for the same step (fish-omni-tp-frames-check)",
         "report it with this line and report.json: the ranks' all-reduce is not bit-identical here, or their "
         "noise differs; the run stopped before a listener could hear mixed frames"),
     Signature(
         "resumed history mismatch",
-        _re(r"ResumedHistoryMismatch"),
+        _re(r"ResumedHistoryMismatch: "),
         "a preempted request resumed with frames other than those it generated (preemption-host-copy's "
         "resume check)",
         "report it with this line and report.json; until it is fixed, size stage 0's KV pool so that "
