@@ -23,19 +23,39 @@ pytestmark = pytest.mark.npu
 DEPLOY = os.environ.get("DRAMA3_NPU_DEPLOY") or str(profiles.profile_file("910b-tp2-ep"))
 
 
-def test_validate_passes_every_check_on_the_cards(tmp_path):
-    out = tmp_path / "validate"
+def _validate(out, fault: str | None = None, extra: list = ()) -> tuple[subprocess.CompletedProcess, dict]:
     model = os.environ.get("DRAMA3_NPU_MODEL")
-    argv = [sys.executable, "-m", "drama3_patches.tools", "validate", "--deploy", DEPLOY, "--out", str(out)]
+    argv = [sys.executable, "-m", "drama3_patches.tools", "validate", "--deploy", DEPLOY, "--out", str(out), *extra]
     argv += ["--model", model] if model else ["--tiny-fp8"]
     env = dict(os.environ, DRAMA3_PATCHES="1", VLLM_LOGGING_LEVEL="INFO")
+    env.pop("DRAMA3_PATCHES_FAULT", None)
+    if fault:
+        env["DRAMA3_PATCHES_FAULT"] = fault
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
     print(done.stdout, done.stderr[-4000:])
-    report = json.loads((out / "report.json").read_text())
+    return done, json.loads((out / "report.json").read_text())
+
+
+def test_validate_passes_every_check_on_the_cards(tmp_path):
+    done, report = _validate(tmp_path / "validate")
     failed = [c for c in report["checks"] if not c["passed"]]
-    assert done.returncode == 0 and report["passed"] and not failed, failed
+    assert done.returncode == 0 and report["passed"] and not failed, (failed, report["diagnosis"])
     counts = report["counts"]
-    assert counts["preemptions"] > 0 and counts["resumes_verified"] > 0, counts
+    assert counts["preemptions"] > 0 and counts["resumes_verified"] == counts["resumes"] > 0, counts
     if report["stage0"]["tensor_parallel_size"] > 1:
         assert counts["tp_steps_checked"] > 0, counts
-    assert counts["voice_clones_completed"] == counts["requests_completed"] > 0, counts
+    assert counts["requests_completed"] > 0, counts
+    assert report["server_stop"]["left"] == [], report["server_stop"]
+
+
+def test_on_the_cards_a_park_of_the_wrong_slot_fails_the_preemption_row_for_that_reason(tmp_path):
+    """The negative control on the cards: the test-only fault parks the next slot's history; the
+    preemption row must fail, and the diagnosis must name the resume check's mismatch."""
+    done, report = _validate(tmp_path / "wrong-slot", fault="wrong-slot", extra=["--clones", "1",
+                                                                               "--bench-requests", "1"])
+    checks = {c["name"][0]: c for c in report["checks"]}
+    assert done.returncode == 1 and checks["a"]["passed"] and not checks["c"]["passed"], checks
+    assert report["first_failed"] == "c. preemption and resume", report["first_failed"]
+    assert any(line.startswith("Likely cause (resumed history mismatch") for line in report["diagnosis"]), \
+        report["diagnosis"]
+    assert report["server_stop"]["left"] == [], report["server_stop"]
