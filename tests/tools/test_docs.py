@@ -283,7 +283,7 @@ def startup_modules_named() -> dict[str, set[str]]:
             for token in _ticked(span):
                 name = token if token.split(".")[0] == "drama3_patches" else f"drama3_patches.{token}"
                 if re.fullmatch(r"[\w.]+", token) and _is_module(name):
-                    named.setdefault(_rel(doc), set()).add(name)
+                    named.setdefault(_rel(doc), set()).add(name.removesuffix(".__init__"))
     return named
 
 
