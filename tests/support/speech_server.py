@@ -9,7 +9,9 @@ What each request does is read from ``key=value`` words of its ``input`` text
 or of its ``ref_text`` (the prompt transcript, so that a meta.lst can keep the
 target text clean):
 ``first`` (s before the first samples), ``header`` (s before the WAV header),
-``audio`` (s of audio), ``chunks``, ``gap`` (s between chunks), and ``mode``:
+``audio`` (s of audio), ``chunks``, ``gap`` (s between chunks), a scripted timeline instead:
+``pieces`` (comma-separated seconds of audio per chunk) and ``gaps`` (comma-separated seconds
+before each chunk after the first; the last one repeats), and ``mode``:
 ``ok``, ``error`` (error event after partial audio), ``cut`` (connection closed
 inside a chunk), ``nodone`` (clean end without ``speech.audio.done``), ``http500``.
 
@@ -54,17 +56,35 @@ MISBEHAVIOURS = ("trickle", "badjson", "notobject", "numaudio", "strerror", "zer
 def parse_spec(text: str, prompt: str = "") -> dict:
     """Keys from the prompt transcript, then from the input (which wins); words from the input only."""
     spec = {"first": 0.0, "header": 0.0, "audio": 1.0, "chunks": 4, "gap": 0.0, "mode": "ok", "heard": None,
-            "trickle": 30.0, "huge": 17 * 1024 * 1024}
+            "trickle": 30.0, "huge": 17 * 1024 * 1024, "pieces": None, "gaps": None}
     words = []
     for source, word in [("prompt", w) for w in prompt.split()] + [("input", w) for w in text.split()]:
         key, sep, value = word.partition("=")
         if sep and key in spec:
             spec[key] = (value.replace("_", " ") if key == "heard" else value if key == "mode"
+                         else [float(v) for v in value.split(",")] if key in ("pieces", "gaps")
                          else int(value) if key in ("chunks", "huge") else float(value))
         elif source == "input":
             words.append(word)
     spec["words"] = " ".join(words) if spec["heard"] is None else spec["heard"]
     return spec
+
+
+def timeline(spec: dict, rate: int) -> tuple[list[int], list[float]]:
+    """(sample bytes per chunk, seconds after ``first`` at which each chunk is sent)."""
+    if spec["pieces"]:
+        sizes = [int(round(p * rate)) * 2 for p in spec["pieces"]]
+    else:
+        total = int(round(spec["audio"] * rate)) * 2
+        sizes = [total // spec["chunks"]] * spec["chunks"]
+        sizes[-1] += total - sum(sizes)
+    gaps = spec["gaps"] or [spec["gap"]]
+    at, times = 0.0, []
+    for i in range(len(sizes)):
+        if i:
+            at += gaps[min(i - 1, len(gaps) - 1)]
+        times.append(at)
+    return sizes, times
 
 
 def spoken_bytes(words: str, size: int) -> bytes:
@@ -177,18 +197,15 @@ class SpeechServer:
                     return
 
                 t0 = time.perf_counter()
-                total = int(round(spec["audio"] * rate)) * 2
-                samples = spoken_bytes(spec["words"], total)
-                pieces = [total // spec["chunks"]] * spec["chunks"]
-                pieces[-1] += total - sum(pieces)
+                pieces, times = timeline(spec, rate)
+                samples = spoken_bytes(spec["words"], sum(pieces))
                 if fmt == "wav":
                     time.sleep(max(0.0, spec["header"] - (time.perf_counter() - t0)))
                     emit(wav_header(rate))
-                time.sleep(max(0.0, spec["first"] - (time.perf_counter() - t0)))
                 at = 0
                 for i, n in enumerate(pieces):
-                    if i:
-                        time.sleep(spec["gap"])
+                    # each chunk at its scheduled time from the request's start: no drift
+                    time.sleep(max(0.0, spec["first"] + times[i] - (time.perf_counter() - t0)))
                     if spec["mode"] == "cut" and i == len(pieces) // 2:
                         self._leave()
                         self.wfile.write(b"400\r\npartial")  # a chunk that never completes

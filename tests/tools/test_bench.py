@@ -28,7 +28,8 @@ from support.speech_server import NATIVE_RATE, SpeechServer, embed, spoken_bytes
 from support.subproc import ROOT, TESTS, run_cli
 
 GAP, CHUNKS = 0.15, 4  # the stream goes on for 3 x GAP after the first samples
-HEADER = "| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | SIM | completed | failed |"
+HEADER = ("| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | D p50 | D p99 | C100 | WER | SIM | "
+          "completed | failed |")
 
 
 def _cli(*args, timeout=300):
@@ -122,7 +123,7 @@ def test_measured_figures_match_what_was_injected(tmp_path):
     assert c1["duration"] >= sum(f + 3 * GAP for f in FIRSTS)  # one at a time
     assert c3["duration"] < c1["duration"]
 
-    # The table: the port's published columns plus SIM, completed/failed.
+    # The table: the port's published columns, the playout figures, SIM, completed/failed.
     lines = r.stdout.splitlines()
     assert lines[0] == HEADER
     assert lines[2].startswith(f"| 1 | {sb.sig3(c1['audio_throughput'])} | {sb.sig3(c1['median_ttft_ms'] / 1e3)} s | ")
@@ -834,7 +835,7 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
     assert (level["completed"], level["failed"]) == (0, 2)
     assert all(f["error"].startswith("ConnectionRefusedError") for f in level["failures"])
     assert level["audio_throughput"] == 0 and level["median_ttft_ms"] is None and level["mean_ttft_ms"] is None
-    assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | - | 0 | 2 |"
+    assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | - | - | - | - | 0 | 2 |"
     assert "no completed stream" not in r.stdout  # no scorer asked for: the reason is the missing model
 
 
@@ -930,3 +931,75 @@ def test_ctrl_c_keeps_the_completed_levels_and_cuts_the_requests_in_flight(tmp_p
     (level,) = doc["levels"]
     assert (level["max_concurrency"], level["completed"], level["failed"]) == (1, 1, 0)
     assert took < 15.0
+
+
+# ---------------------------------------------------------------- playout against injected gaps
+
+# (spec words, injected chunk times after the first audio, chunk seconds, D, stalls, longest stall)
+PLAYOUT_STREAMS = [
+    ("pieces=0.25,0.25,0.25,0.25 gaps=0.5", [0.0, 0.5, 1.0, 1.5], [0.25] * 4, 0.75, 3, 0.25),
+    ("pieces=0.25,0.25,0.25,0.25 gaps=0.5,0.2,0.2", [0.0, 0.5, 0.7, 0.9], [0.25] * 4, 0.25, 1, 0.25),
+    ("pieces=0.3,0.3,0.3 gaps=0.1", [0.0, 0.1, 0.2], [0.3] * 3, 0.0, 0, 0.0),
+    ("pieces=0.2,0.2 gaps=0.35", [0.0, 0.35], [0.2] * 2, 0.15, 1, 0.15),
+]
+TOLERANCE_S = 0.030
+
+
+def test_playout_figures_match_the_injected_chunk_gaps(tmp_path):
+    """Streams with scripted gaps through the stand-in server: every arrival, D, stall total and
+    longest stall within 30 ms of the timeline injected, the stall count exact (no injected stall
+    lies near the 5 ms floor), and the level's shares where no figure is within 30 ms of a bound."""
+    from drama3_patches.tools.bench import playout
+
+    specs = [f"first=0.1 {words}" for words, *_ in PLAYOUT_STREAMS]
+    meta = write_meta(tmp_path, specs)
+    out = tmp_path / "out.json"
+    with SpeechServer() as server:
+        r = bench(server, meta, "--concurrency", "1,2", "--limit", "4", "--warmup", "0", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    for level in doc["levels"]:
+        reqs = {x["utt"]: x for x in level["requests"]}
+        for n, (_, times, pieces, d, stalls, longest) in enumerate(PLAYOUT_STREAMS):
+            x = reqs[f"utt{n}"]
+            arrivals = [a for a, _ in x["chunks"]]
+            assert [s for _, s in x["chunks"]] == pytest.approx(pieces, abs=1e-6)  # from the byte counts
+            assert arrivals[0] == pytest.approx(x["ttft"], abs=1e-6)
+            assert [a - arrivals[0] for a in arrivals] == pytest.approx(times, abs=TOLERANCE_S)
+            assert x["needed_cushion_s"] == pytest.approx(d, abs=TOLERANCE_S)
+            assert x["stall_s"] == pytest.approx(d, abs=TOLERANCE_S)
+            assert x["longest_stall_s"] == pytest.approx(longest, abs=TOLERANCE_S)
+            assert x["stalls"] == stalls
+            assert x["stall_free_start_s"] == pytest.approx(x["ttft"] + x["needed_cushion_s"], abs=1e-9)
+        po = level["playout"]
+        assert po["streams"] == 4
+        measured = [reqs[f"utt{n}"] for n in range(4)]
+        assert po == playout.level_figures([m | {"audio_s": m["audio_seconds"]} for m in measured])
+        # longest stalls 0.25, 0.25, 0, 0.15; D 0.75, 0.25, 0, 0.15: at least 50 ms from every bound
+        assert (po["c50"], po["c100"], po["c200"]) == (0.25, 0.25, 0.5)
+        assert po["stall_free_share"] == {"0": 0.25, "0.5": 0.75, "1": 1.0, "2": 1.0}
+        assert po["needed_cushion_s"]["p50"] == pytest.approx(0.2, abs=TOLERANCE_S)
+    # the summary line: D p50 and p99, C100
+    c1 = doc["levels"][0]["playout"]
+    row = r.stdout.splitlines()[2].split(" | ")
+    assert row[5:8] == [f"{sb.sig3(c1['needed_cushion_s']['p50'])} s", f"{sb.sig3(c1['needed_cushion_s']['p99'])} s",
+                        "25%"]
+
+
+def test_failed_requests_carry_no_playout(tmp_path):
+    meta = write_meta(tmp_path, ["pieces=0.2,0.2 gaps=0.1", "mode=http500"])
+    with SpeechServer() as server:
+        level = sb.run_level(sb.read_meta(str(meta)), 1, sb.Settings(url=server.url)).result()
+    reqs = {x["utt"]: x for x in level["requests"]}
+    assert reqs["utt1"]["needed_cushion_s"] is None and reqs["utt1"]["chunks"] == []
+    assert len(reqs["utt0"]["chunks"]) == 2 and level["playout"]["streams"] == 1
+
+
+def test_a_stream_of_many_tiny_pieces_keeps_a_bounded_record(monkeypatch):
+    monkeypatch.setattr(sb, "MAX_CHUNKS", 3)
+    counter = sb.AudioCounter("pcm", 1000)
+    for i in range(10):
+        counter.feed(b"\0\0" * 10, float(i))
+    assert counter.arrivals == [[0.0, 20], [1.0, 20], [9.0, 160]]  # the rest joined the last, at its time
+    assert counter.timeline(0.0) == [(0.0, 0.01), (1.0, 0.01), (9.0, 0.08)]
+    assert counter.sample_bytes == 200
