@@ -772,7 +772,7 @@ def _levels():
 def test_plot_figure_has_the_run_and_reference_series():
     pytest.importorskip("matplotlib")
     fig = plot.build_figure(_levels(), plot.PORT_REFERENCE, "t")
-    thr, lat = fig.axes
+    thr, lat = fig.axes  # levels without chunk arrivals: the two summary panels only
     lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ax in (thr, lat)
              for ln in ax.get_lines()}
     ref = plot.PORT_REFERENCE["label"]
@@ -795,6 +795,40 @@ def test_plot_figure_has_the_run_and_reference_series():
     assert "partial: audio s/s" in labels and not any(x.startswith("partial: TTFA") for x in labels)
     assert "partial: no TTFA p50; partial: no TTFA p99" in fig.get_suptitle()
     assert plot.build_figure(_levels()).axes[1].get_yscale() == "linear"
+
+
+def _playout_level(c, streams):
+    """A level whose requests carry chunk timelines (``streams``: name -> chunks)."""
+    from drama3_patches.tools.bench import playout
+
+    reqs = [{"utt": name, "success": True, "audio_seconds": sum(s for _, s in chunks),
+             **playout.request_figures(chunks, chunks[0][0])} for name, chunks in streams.items()]
+    return {"max_concurrency": c, "audio_throughput": 1.0, "median_ttft_ms": 100.0, "p99_ttft_ms": 200.0,
+            "requests": reqs, "playout": playout.level_figures([r | {"audio_s": r["audio_seconds"]} for r in reqs])}
+
+
+def test_plot_draws_the_cushion_cdf_and_the_p50_p90_worst_streams():
+    pytest.importorskip("matplotlib")
+    quarter = {f"s{k}": [(0.1 + k * 0.01 + 0.5 * i * k / 3, 0.25) for i in range(4)] for k in range(4)}
+    # chunks every k/6 s: D of s0..s3 0, 0 (early), 3 x (1/3 - 1/4) = 0.25 in three stalls, 0.75
+    levels = [_playout_level(1, quarter), _playout_level(2, {"a": [(0.2, 0.1), (0.5, 0.1)], "b": [(0.3, 1.0)]})]
+    fig = plot.build_figure(levels)
+    assert len(fig.axes) == 5  # throughput, TTFA, CDF of D, one timeline per level
+    cdf = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in fig.axes[2].get_lines()}
+    assert cdf == {"concurrency 1 (4 streams)": ([0.0, 0.0, 0.0, pytest.approx(0.25), pytest.approx(0.75)],
+                                                 [0.0, 0.25, 0.5, 0.75, 1.0]),
+                   "concurrency 2 (1 streams)": ([0.0, pytest.approx(0.2)], [0.0, 1.0])}
+    c1 = fig.axes[3]
+    labels = [ln.get_label() for ln in c1.get_lines()]
+    # nearest rank of 4 streams by D: p50 index 2 (s2), p90 and worst index 3 (s3)
+    assert labels == ["p50 s2: D 0.25 s, 3 stall(s)", "_child1", "p90/worst s3: D 0.75 s, 3 stall(s)", "_child3"]
+    received, played = c1.get_lines()[2:4]
+    assert list(received.get_xdata()) == pytest.approx([0.0, 0.13, 0.63, 1.13, 1.63])
+    assert list(received.get_ydata()) == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    assert list(played.get_xdata()) == pytest.approx([0.13, 0.38, 0.63, 0.88, 1.13, 1.38, 1.63, 1.88])
+    assert list(played.get_ydata()) == pytest.approx([0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 0.75, 1.0])
+    # the single-chunk stream of level 2 is not drawn; its one stream is p50, p90 and worst at once
+    assert [ln.get_label() for ln in fig.axes[4].get_lines()][0] == "p50/p90/worst a: D 0.20 s, 1 stall(s)"
 
 
 def test_plot_writes_a_png(tmp_path):
