@@ -22,6 +22,10 @@ delta whose audio is a number), ``strerror`` (an error event whose ``error`` is 
 ``zerobits`` (a WAV header of 0 bits per sample), ``shortfmt`` (an 8-byte fmt chunk),
 ``hugeline`` (one data line of ``huge`` bytes, default 17 MiB, then a newline).
 
+``POST /start_profile`` and ``/stop_profile`` answer as vLLM-Omni's do when a stage has a
+profiler config (``profiler = False``: 404, as when none has); ``on_stop_profile`` stands in for
+the worker writing its trace.
+
 The samples "say" the other words of the input: their bytes repeat
 ``TXT:<words>\\0``, which ``transcribe`` reads back, so WER can be scored end
 to end; ``heard=some_other_words`` makes the audio say those words instead
@@ -127,6 +131,10 @@ class SpeechServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.trickle_after: int | None = None  # requests after this many trickle, whatever their spec
+        # vLLM-Omni's profiler endpoints (served when a stage has a profiler_config): 404 when off;
+        # on_stop_profile() runs before /stop_profile answers, as the worker writes its trace.
+        self.profiler = True
+        self.on_stop_profile = None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -137,6 +145,17 @@ class SpeechServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path in ("/start_profile", "/stop_profile"):
+                    with server.lock:
+                        server.requests.append({"path": self.path, **body})
+                    if server.profiler and self.path == "/stop_profile" and server.on_stop_profile:
+                        server.on_stop_profile()
+                    msg = b'{"status": "SUCCESS"}' if server.profiler else b'{"detail": "Not Found"}'
+                    self.send_response(200 if server.profiler else 404)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
                 with server.lock:
                     server.requests.append({"path": self.path, **body})
                     server.in_flight += 1

@@ -8,6 +8,7 @@ where the module tracks when the audio runs out, in floats).
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 from fractions import Fraction as F
 
@@ -251,3 +252,59 @@ def test_their_underrun_count_is_not_stalls():
     arrivals = [0.0, 0.5, 1.0, 1.5]
     theirs = mod.compute_continuity_stats(arrivals, [q] * 4, RATE)
     assert theirs.underrun_event_count == playout.request_figures([(a, 0.25) for a in arrivals], 0.0)["stalls"] == 3
+
+
+# -- validate's row g ---------------------------------------------------------------------------
+
+
+def _bench_level(c, streams, failed=()):
+    """A ``bench`` level result (the keys row g reads) of scripted streams."""
+    reqs = [{"utt": utt, "success": True, "audio_seconds": sum(s for _, s in ch),
+             **playout.request_figures(ch, ch[0][0])} for utt, ch in streams.items()]
+    return {"max_concurrency": c, "completed": len(reqs), "median_ttft_ms": 100.0, "audio_throughput": 1.0,
+            "mean_rtf": 0.5, "failures": [{"utt": u, "error": "boom"} for u in failed], "requests": reqs,
+            "playout": playout.level_figures([r | {"audio_s": r["audio_seconds"]} for r in reqs])}
+
+
+def _run():
+    from drama3_patches.tools.validate import deploy, verdict
+
+    return verdict.Run(profile="p", model="m", tp=1, ep=False, compiled=False,
+                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+
+
+STREAMS = {"line0": [(0.3, 0.25), (0.55, 0.25)],  # on time: D 0
+           "line1": [(0.4, 0.25), (0.9, 0.25), (1.4, 0.25)]}  # D 0.5
+
+
+def test_row_g_reports_the_playout_figures():
+    run = _run()
+    run.bench([_bench_level(1, STREAMS), _bench_level(2, {"line0": [(0.2, 0.1)]})], 3.0)
+    g = run.checks["g"]
+    assert g.passed
+    assert "c1: TTFA p50 100 ms, 1 audio s/s, RTF 0.5, cushion needed D p50 0.25 s, p99 0.495 s, C100 50% " \
+           "(2 stream(s))" in g.detail
+    assert "c2: TTFA p50 100 ms, 1 audio s/s, RTF 0.5, no stream of two chunks or more to judge playout" in g.detail
+    doc = json.loads(run.json())
+    assert doc["bench"][0]["playout"]["needed_cushion_s"]["p99"] == pytest.approx(0.495)
+    assert doc["bench"][0]["requests"][1]["needed_cushion_s"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("cushion, passes", [(None, True), (0.6, True), (0.5, True), (0.4, False), (0.0, False)])
+def test_require_stall_free_fails_row_g_unless_every_c1_stream_plays_from_that_cushion(cushion, passes):
+    run = _run()
+    run.bench([_bench_level(1, STREAMS), _bench_level(2, {"x": [(0.1, 0.1), (5.0, 0.1)]})], 3.0,
+              require_stall_free=cushion)
+    assert run.checks["g"].passed is passes
+    if not passes:
+        assert (f"line1 at concurrency 1 needs a 0.500 s cushion, more than --require-stall-free {cushion:g}"
+                in run.checks["g"].detail)
+        assert "line0 at concurrency 1" not in run.checks["g"].detail  # D 0: stall-free at any cushion
+        assert " x at concurrency" not in run.checks["g"].detail  # concurrency 2 is not judged
+
+
+def test_require_stall_free_without_a_completed_c1_stream_is_no_pass():
+    run = _run()
+    run.bench([_bench_level(2, STREAMS)], 3.0, require_stall_free=1.0)
+    assert not run.checks["g"].passed
+    assert "--require-stall-free 1: no completed concurrency-1 stream to judge" in run.checks["g"].detail

@@ -127,3 +127,27 @@ def level_figures(requests: list[dict]) -> dict:
 def stall_free(needed_cushion_s: float, cushion: float) -> bool:
     """Whether a stream whose D is ``needed_cushion_s`` plays without a stall from a ``cushion``."""
     return needed_cushion_s <= cushion + _EPS
+
+
+def summary(level_playout: dict | None) -> str:
+    """A level's playout in a few words (``validate``'s row g)."""
+    po = level_playout or {}
+    d = po.get("needed_cushion_s") or {}
+    if not po.get("streams") or d.get("p50") is None:
+        return "no stream of two chunks or more to judge playout"
+    return (f"cushion needed D p50 {d['p50']:.3g} s, p99 {d['p99']:.3g} s, C100 {po['c100']:.0%} "
+            f"({po['streams']} stream(s))")
+
+
+def not_stall_free(levels: list[dict], cushion: float | None) -> list[str]:
+    """Why the concurrency-1 streams of ``levels`` (``bench`` level results) do not all play
+    without a stall from a ``cushion`` (``--require-stall-free``); empty when they do or when no
+    cushion is required. No completed concurrency-1 stream is a reason too."""
+    if cushion is None:
+        return []
+    c1 = [r for lv in levels if lv.get("max_concurrency") == 1 for r in lv.get("requests") or []
+          if r.get("success")]
+    if not c1:
+        return [f"--require-stall-free {cushion:g}: no completed concurrency-1 stream to judge"]
+    return [f"{r['utt']} at concurrency 1 needs a {r['needed_cushion_s']:.3f} s cushion, more than "
+            f"--require-stall-free {cushion:g}" for r in c1 if not stall_free(r["needed_cushion_s"], cushion)]

@@ -12,7 +12,11 @@ d. at stage-0 tensor parallel > 1, the ranks' frames compared every step
    (``DRAMA3_PATCHES_TP_CHECK``), with the number of steps compared;
 e. every process's patch report against what its role should show;
 f. no device, collective or traceback line in the server's log;
-g. a short ``bench`` pass at concurrency 1 and N: TTFA, audio seconds per second, RTF.
+g. a short ``bench`` pass at concurrency 1 and N: TTFA, audio seconds per second, RTF, and the
+   playout figures (stalls, the cushion a player needs; ``--require-stall-free C``);
+
+then, unless ``--no-profile``, the per-frame time: a window of decode steps at concurrency 1 under
+vLLM's profiler (``profile``), reported in its own section.
 
 It writes ``report.md`` (the verdict table for a pull request), ``report.json``, the server's log,
 the deploy file it served and the audio to ``--out``, and exits 0 only when every check passed
@@ -21,7 +25,8 @@ folder and the two runtime checks: ``DRAMA3_PATCHES`` is the operator's to expor
 without it shows what an unpatched deployment does.
 
 Modules: ``deploy`` (the served file), ``server`` (start, wait, log, roles), ``phases`` (the
-requests), ``evidence`` (reports, counts, log lines), ``verdict`` (the checks and the report).
+requests), ``evidence`` (reports, counts, log lines), ``verdict`` (the checks and the report),
+``profile`` (the per-frame time).
 """
 
 from __future__ import annotations
@@ -64,14 +69,23 @@ def register(sub) -> None:
     r.add_argument("--start-timeout", type=float, default=1800, help="seconds to wait for the server (default 1800)")
     r.add_argument("--request-timeout", type=float, default=600, help="seconds per request (default 600)")
     r.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
+    r.add_argument("--require-stall-free", type=float, metavar="C",
+                   help="fail row g unless every concurrency-1 stream plays without a stall once C seconds of "
+                        "audio are buffered (for the cards; a CPU host is far slower than real time)")
+    r.add_argument("--no-profile", action="store_true", help="skip the per-frame time (stage 0 is then served "
+                                                            "without a profiler_config)")
+    r.add_argument("--profile-steps", type=int, default=24,
+                   help="decode steps in the per-frame time window (default 24)")
     p.set_defaults(func=run)
 
 
 def _check_args(args) -> None:
     from drama3_patches.tools.files import InputError
 
+    if args.require_stall_free is not None and not 0 <= args.require_stall_free < 3600:
+        raise InputError("--require-stall-free must be between 0 and 3600 seconds of audio")
     for flag in ("clones", "clone_frames", "preempt_requests", "preempt_frames", "kv_blocks", "max_model_len",
-                 "bench_concurrency", "bench_requests"):
+                 "bench_concurrency", "bench_requests", "profile_steps"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     for flag in ("stagger",):
@@ -110,7 +124,10 @@ def run(args) -> int:
         say(f"making a tiny Drama 3 checkpoint ({args.tiny_depth} depth) in {out / 'model'}")
         model = str(tiny_model.make(out / "model", args.tiny_depth, args.tiny_fp8))
     scale = deploys.Scale(kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, frames=args.clone_frames)
-    served = deploys.scaled(loaded, scale)
+    from drama3_patches.tools.validate import profile
+
+    served = deploys.scaled(loaded, scale, None if args.no_profile else profile.profiler_config(
+        out / profile.TRACE_DIR, args.profile_steps, profile.DELAY))
     tp = deploys.tp_size(served)
     import yaml
 
@@ -183,7 +200,14 @@ def _phases(args, run_, proc, port: int, out: Path, reports: Path, log: Path, li
     say(f"g. bench at concurrency {', '.join(map(str, levels))}, {args.bench_requests} requests each")
     t0 = time.monotonic()
     run_.bench(phases.bench_levels(url, lines[:args.bench_requests], levels, args.request_timeout),
-               time.monotonic() - t0)
+               time.monotonic() - t0, require_stall_free=args.require_stall_free)
+    if not args.no_profile:
+        from drama3_patches.tools.validate import profile
+
+        say(f"per-frame time: {args.profile_steps} decode steps of stage 0 under vLLM's profiler")
+        run_.frame_time = profile.measure(url, lines[0], out / profile.TRACE_DIR, steps=args.profile_steps,
+                                          delay=profile.DELAY, timeout=args.request_timeout, say=say)
+        say(f"   {profile.summary(run_.frame_time)}")
 
 
 def evidence_flush_s() -> float:

@@ -43,6 +43,7 @@ class Run:
     versions: dict = field(default_factory=dict)
     wall_s: float = 0.0
     ready: bool = False  # the server answered
+    frame_time: dict | None = None  # profile.measure's figures, when profiled
 
     # -- phases --------------------------------------------------------------------------------
 
@@ -95,16 +96,21 @@ class Run:
         self._served(phase)
         self.checks["c"] = Check("c. preemption and resume", ok, detail, wall_s=phase.wall_s)
 
-    def bench(self, levels: list, wall_s: float) -> None:
+    def bench(self, levels: list, wall_s: float, require_stall_free: float | None = None) -> None:
+        from drama3_patches.tools.bench import playout
+
         self.bench_levels = levels
         done = sum(lv["completed"] for lv in levels)
         self.counts["requests_completed"] += done
         self.counts["voice_clones_completed"] += done
         failed = [f"{f['utt']}: {f['error']}" for lv in levels for f in lv["failures"]]
         parts = [f"c{lv['max_concurrency']}: TTFA p50 {_ms(lv['median_ttft_ms'])}, "
-                 f"{_num(lv['audio_throughput'])} audio s/s, RTF {_num(lv['mean_rtf'])}" for lv in levels]
-        detail = "; ".join(parts) + ("; failed: " + "; ".join(failed[:4]) if failed else "")
-        self.checks["g"] = Check("g. bench", not failed, detail, wall_s=wall_s)
+                 f"{_num(lv['audio_throughput'])} audio s/s, RTF {_num(lv['mean_rtf'])}, "
+                 f"{playout.summary(lv.get('playout'))}" for lv in levels]
+        stalled = playout.not_stall_free(levels, require_stall_free)
+        detail = "; ".join(parts) + ("; failed: " + "; ".join(failed[:4]) if failed else "") + \
+            ("; " + "; ".join(stalled[:4]) if stalled else "")
+        self.checks["g"] = Check("g. bench", not failed and not stalled, detail, wall_s=wall_s)
 
     def final(self, counts: dict, procs: list, skipped: list, log: str,
               not_run: str = "the server never became ready") -> None:
@@ -162,7 +168,7 @@ class Run:
             "stage0": {"tensor_parallel_size": self.tp, "expert_parallel": self.ep, "compiled": self.compiled,
                        "kv_blocks": self.scale.kv_blocks, "max_model_len": self.scale.max_model_len},
             "versions": self.versions, "bench": self.bench_levels, "processes": getattr(self, "processes", []),
-            "audio": self.audio, "notes": self.notes, "wall_s": self.wall_s,
+            "audio": self.audio, "notes": self.notes, "wall_s": self.wall_s, "frame_time": self.frame_time,
         }, indent=1, default=str)
 
     def markdown(self) -> str:
@@ -182,6 +188,9 @@ class Run:
                  "| --- | --- | --- | --- | --- |",
                  f"| {n['requests_completed']} | {n['voice_clones_completed']} | {n['preemptions']} | "
                  f"{n['resumes_verified']} | {n['tp_steps_checked']} |"]
+        from drama3_patches.tools.validate import profile
+
+        head += profile.markdown(self.frame_time)
         if self.notes:
             head += ["", "Notes:"] + [f"- {line}" for line in self.notes]
         head += ["", f"Whole run {self.wall_s:.0f} s."]
