@@ -179,8 +179,8 @@ def test_top_ops_by_self_time(tmp_path):
 def test_device_kernels_rank_the_top_ops_where_the_trace_has_them(tmp_path):
     tr = Trace()
     _steps(tr, n=3, t=0.0)
-    for k in range(3):  # torch-npu's trace_view.json marks device tasks by their Task Type
-        tr.x("MatMulV2", "", 500.0 + k * 100, 40.0, args={"Task Type": "AI_CORE"}, pid=7, tid=1)
+    for k in range(3):  # torch-npu's trace_view.json marks device tasks by their Task Type, ts as text
+        tr.x("MatMulV2", "", f"{500.0 + k * 100:.3f}", 40.0, args={"Task Type": "AI_CORE"}, pid=7, tid=1)
     tr.x("GroupedMatmul", "kernel", 900.0, 300.0, pid=7, tid=1)
     ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
     assert [o["name"] for o in ft["top_ops"]] == ["GroupedMatmul", "MatMulV2"]

@@ -179,13 +179,28 @@ class _Ev:
         self.parent = None
 
 
+def _number(value) -> float | None:
+    """A time in microseconds: a number, or a numeric string (torch-npu writes ``ts`` as text to
+    keep its precision)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and len(value) < 40:
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
 def _keep(e) -> _Ev | None:
     """The record of an event the attribution reads (steps, ops, kernels, the model's modules and
     functions), or None: a Python trace holds hundreds of thousands of other calls per step."""
     if not isinstance(e, dict) or e.get("ph") != "X":
         return None
-    ts, dur = e.get("ts"), e.get("dur")
-    if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
+    ts, dur = _number(e.get("ts")), _number(e.get("dur"))
+    if ts is None or dur is None:
         return None
     name, cat = str(e.get("name", "")), str(e.get("cat", ""))
     if name.startswith("nn.Module: ") or cat == "python_function":
@@ -194,7 +209,7 @@ def _keep(e) -> _Ev | None:
         cat = "python_function"
     elif isinstance(e.get("args"), dict) and "Task Type" in e["args"]:
         cat = "kernel"  # a device task in torch-npu's trace_view.json
-    return _Ev(name, cat, float(ts), float(dur), (e.get("pid"), e.get("tid")))
+    return _Ev(name, cat, ts, dur, (e.get("pid"), e.get("tid")))
 
 
 def load_events(path: Path) -> list[_Ev]:
