@@ -135,6 +135,9 @@ class SpeechServer:
         # on_stop_profile() runs before /stop_profile answers, as the worker writes its trace.
         self.profiler = True
         self.on_stop_profile = None
+        # input text -> the clock times its audio chunks were written (the last request with it): what a
+        # loaded host really sent, beside the schedule asked for
+        self.sent: dict[str, list[float]] = {}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -217,6 +220,8 @@ class SpeechServer:
 
                 t0 = time.perf_counter()
                 pieces, times = timeline(spec, rate)
+                sent = server.sent.setdefault(body["input"], [])  # when each audio chunk left, in fact
+                sent.clear()
                 samples = spoken_bytes(spec["words"], sum(pieces))
                 if fmt == "wav":
                     time.sleep(max(0.0, spec["header"] - (time.perf_counter() - t0)))
@@ -232,6 +237,7 @@ class SpeechServer:
                         self.close_connection = True
                         return
                     emit(samples[at:at + n])
+                    sent.append(time.perf_counter())
                     at += n
                     if spec["mode"] == "error" and i == 0:
                         self._leave()
