@@ -55,7 +55,7 @@ class Trace:
             self.py("<built-in function isinstance>", ts + i * dur / n + dur / n / 2, dur / n / 4)
 
     def step(self, t, *, backbone=1000.0, layers=3, layer=200.0, heads=2, head=50.0, main=80.0, code=30.0,
-             glue=100.0, prep=300.0, sample=70.0, idle=150.0, forward=True, annotate=True):
+             glue=100.0, prep=300.0, sample=70.0, idle=150.0, forward=True, annotate=True, modules=True):
         """One decode step from ``t``; returns (end of the period, its expected components in ms)."""
         start = t
         t += prep  # the runner's input preparation (outside the forward)
@@ -87,29 +87,35 @@ class Trace:
                     self.py(COMPILE, ts - 0.5, dur + 1)
                     self.py(QWEN, ts, dur)
                 for k in range(2):  # decoder layers: modules and ops inside the backbone
-                    self.py(f"nn.Module: Qwen3_5DecoderLayer_{k}", ts + 1 + k * dur / 2, dur / 2 - 2)
-                    self.py("nn.Module: ReplicatedLinear_0", ts + 2 + k * dur / 2, 10)
+                    if modules:
+                        self.py(f"nn.Module: Qwen3_5DecoderLayer_{k}", ts + 1 + k * dur / 2, dur / 2 - 2)
+                        self.py("nn.Module: ReplicatedLinear_0", ts + 2 + k * dur / 2, 10)
                     self.op("_C::onednn_mm", ts + 2.5 + k * dur / 2, 8)
                     self.op("_C::cpu_fused_moe", ts + 20 + k * dur / 2, dur / 4)
             elif kind == "sampler":
-                self.py(MAIN, ts, dur)
+                if forward:
+                    self.py(MAIN, ts, dur)
                 self.op("aten::topk", ts + 1, dur / 2)
             elif kind == "tower":
-                self.py(f"nn.Module: TowerLayer_{part[3]}", ts, dur)
-                self.py(TOWER_FWD, ts + 1, dur - 2)
-                self.py("nn.Module: Linear_0", ts + 2, 10)  # a linear inside a layer is the layer's time
+                if modules:
+                    self.py(f"nn.Module: TowerLayer_{part[3]}", ts, dur)
+                    self.py("nn.Module: Linear_0", ts + 2, 10)  # a linear inside a layer is the layer's time
+                if forward:
+                    self.py(TOWER_FWD, ts + 1, dur - 2)
                 self.op("aten::mm", ts + 3, 8)
             elif kind == "head":
-                self.py("nn.Module: Linear_1", ts, dur)
+                if modules:
+                    self.py("nn.Module: Linear_1", ts, dur)
                 self.op("aten::linear", ts + 1, dur - 2)
                 self.op("aten::mm", ts + 2, dur - 4)  # the linear's child: its self time is 2 us
-            else:
+            elif forward:
                 self.py(CODE, ts, dur)
         self.op("aten::where", fwd_start + 1, glue / 4)  # forward glue
         t += 40  # the runner's output handling, still inside the annotated range
         if annotate:
             self.x(STEP, "user_annotation", start, t - start)
-        self.py(SAMPLE, t, sample)
+        if forward:
+            self.py(SAMPLE, t, sample)
         self.op("aten::copy_", t + 1, sample / 2)
         t += sample + idle
         bb, tw = backbone, layers * layer + heads * head
@@ -187,21 +193,46 @@ def test_device_kernels_rank_the_top_ops_where_the_trace_has_them(tmp_path):
     assert ft["top_ops"][1]["ms_per_step"] == pytest.approx(0.120 / 2)
 
 
-def test_steps_without_the_forward_record_are_not_attributed(tmp_path):
+def test_steps_without_any_model_record_are_not_attributed(tmp_path):
     """A compiled stage 0 replays a graph: the step is measured, its parts are not guessed."""
     tr = Trace()
-    _steps(tr, n=3, t=0.0, forward=False)
+    _steps(tr, n=3, t=0.0, forward=False, modules=False)
     ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
     assert ft["steps"] == 2 and not ft["attributed"] and ft["components_ms"] is None
     assert "cannot attribute" in ft["note"] and "captured graph" in ft["note"]
+    assert ft["top_ops"][0]["name"] == "_C::cpu_fused_moe"  # the ops are still ranked
     md = "\n".join(profile.markdown(ft | {"trace_dir": "x", "window_s": 3}))
     assert "Components: cannot attribute time inside the step" in md
     assert "not attributed" in profile.summary(ft)
 
 
+def _partial(exp):
+    """What module records alone tell: the decoder layers (two of backbone/2 - 2 us) and the tower."""
+    return ([(e["backbone"] * 1e3 - 4) / 1e3 for _, e in exp], [e["tower"] for _, e in exp])
+
+
+def test_module_records_without_python_calls_attribute_backbone_and_tower_only(tmp_path):
+    """torch-npu with ``with_modules``: module records, no Python calls. The backbone's decoder
+    layers and the tower's layers and heads are read; the rest is said to be unattributed."""
+    tr = Trace()
+    exp = _steps(tr, n=4, t=0.0, forward=False)
+    ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
+    assert ft["steps"] == 3 and not ft["attributed"] and ft["steps_from"] == "vLLM's step annotation"
+    backbone, tower = _partial(exp[:3])
+    comps = ft["components_ms"]
+    assert comps["backbone"] == pytest.approx(sum(backbone) / 3) and comps["tower"] == pytest.approx(sum(tower) / 3)
+    assert comps["sampler"] is comps["other"] is comps["outside_forward"] is None
+    assert ft["unattributed_ms"] == pytest.approx(ft["step_ms"]["mean"] - comps["backbone"] - comps["tower"])
+    assert ft["note"].startswith("partly attributed")
+    md = "\n".join(profile.markdown(ft | {"trace_dir": "x", "window_s": 3}))
+    assert "| sampler | - | - |" in md and f"| not attributed | {ft['unattributed_ms']:.2f} |" in md
+    assert "| sum |" not in md and "Components: partly attributed" in md
+    assert profile.summary(ft).endswith(f"{ft['unattributed_ms']:.1f} ms not attributed")
+
+
 def test_steps_from_the_towers_first_layer_where_no_step_is_annotated(tmp_path):
     """vllm-ascend's NPUWorker steps the profiler without opening a range: the tower's first layer,
-    once per step, gives the cadence, and the components are not attributed."""
+    once per step, gives the cadence, and without a step's bounds the forward is not read whole."""
     tr = Trace()
     _steps(tr, n=4, t=0.0, annotate=False)
     ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
@@ -209,7 +240,8 @@ def test_steps_from_the_towers_first_layer_where_no_step_is_annotated(tmp_path):
     starts = [e["ts"] for e in tr.events if e.get("name") == "nn.Module: TowerLayer_0"]
     periods = [(starts[i + 1] - starts[i]) / 1e3 for i in range(3)]
     assert ft["step_ms"]["mean"] == pytest.approx(sum(periods) / 3)
-    assert not ft["attributed"] and "no step annotation" in ft["note"]
+    assert not ft["attributed"] and "no step annotation bounds the step" in ft["note"]
+    assert ft["components_ms"]["backbone"] > 0 and ft["components_ms"]["sampler"] is None
 
 
 def test_a_trace_without_steps_is_an_error(tmp_path):

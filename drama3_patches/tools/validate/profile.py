@@ -24,9 +24,17 @@ from vLLM-Omni's, ``trace_view.json`` from torch-npu's). :func:`attribute` reads
 - ``top_ops``: the ten ops with the most self time in the steps (device kernels where the trace
   has them, else CPU ops).
 
-Where the steps hold no module records (a compiled stage 0 replays a captured graph; torch-npu
-records modules only with ``with_modules``) the components are left out and the report says
-that time could not be attributed, rather than guessing.
+Where the trace holds the model's module records but not its forward (torch-npu records modules
+with ``with_modules`` and no Python calls), the backbone (its decoder layers) and the tower are
+read and the rest is reported as not attributed; where a worker opens no step range
+(vllm-ascend's ``NPUWorker`` steps the profiler without one), the tower's first layer, once per
+step, gives the cadence. Where the steps hold no module record at all (a compiled stage 0
+replays a captured graph) the components are left out, and the report says that time could not
+be attributed rather than guessing.
+
+On a CPU host every profiled step costs vLLM's worker tens of seconds after the window: it
+writes the trace and, for a CPU-only profile, always builds its op table, both over every Python
+call (the Triton interpreter's too). The cards profile a few dozen steps, the rehearsal two.
 """
 
 from __future__ import annotations
@@ -89,17 +97,18 @@ def _post(url: str, body: dict, timeout: float) -> None:
 
 
 def find_trace(trace_dir: Path, since: float = 0.0) -> Path | None:
-    """Rank 0's newest trace file under ``trace_dir`` written after ``since`` (a bounded walk)."""
+    """Rank 0's newest trace file under ``trace_dir`` written after ``since`` (a bounded walk: the
+    first 2000 folders, links not followed)."""
     found = []
-    for depth, (root, dirs, files) in enumerate(os.walk(trace_dir)):
-        if depth > 2000:
+    for walked, (root, dirs, files) in enumerate(os.walk(trace_dir)):
+        if walked >= 2000:
             break
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in files:
             if not TRACE_NAMES.search(name):
                 continue
             path = Path(root) / name
-            rank0 = re.search(r"rank0(?!\d)|tp0(?!\d)|_rank0\b", str(path.relative_to(trace_dir)))
+            rank0 = re.search(r"rank0(?!\d)|tp0(?!\d)", str(path.relative_to(trace_dir)))
             try:
                 mtime = path.stat().st_mtime
             except OSError:
@@ -166,7 +175,8 @@ HEAD = re.compile(r"^nn\.Module: Linear_\d+$")  # a codebook head, where not ins
 SAMPLER = re.compile(r"fish_omni[/\\]sampling\.py\(\d+\): (?:main_tokens|code)$")
 SAMPLE_TOKENS = re.compile(r"worker\.py\(\d+\): sample_tokens$")
 FIRST_LAYER = re.compile(r"^nn\.Module: TowerLayer_0$")  # once per step: the steps where none is annotated
-_KEPT_PYTHON = (FORWARD, BACKBONE, TOWER, HEAD, SAMPLER, SAMPLE_TOKENS)
+LAYER = re.compile(r"^nn\.Module: Qwen3_5DecoderLayer_\d+$")  # the backbone's, where its model has no record
+_KEPT_PYTHON = (FORWARD, BACKBONE, TOWER, HEAD, SAMPLER, SAMPLE_TOKENS, LAYER)
 _CHUNK = 4 * MIB
 
 
@@ -331,30 +341,27 @@ def attribute(evs: list[_Ev]) -> dict:
     thread = steps[0][0].key
     periods = [(end - s.ts) / 1e3 for s, end in steps]
     mine = sorted((e for e in evs if e.key == thread), key=lambda e: e.ts)
+    spans = [(step, [e for e in mine if step.ts <= e.ts and e.end <= end + 0.5]) for step, end in steps]
+    forwards = [_outermost(inside, lambda e: bool(FORWARD.search(e.name))) for _, inside in spans]
     comps = {k: [] for k in COMPONENTS}
-    attributed = True
-    for step, end in steps:
-        inside = [e for e in mine if step.ts <= e.ts and e.end <= end + 0.5]
-        fwd = _outermost(inside, lambda e: bool(FORWARD.search(e.name)))
-        if not fwd or not annotated:
-            attributed = False
-            break
-        fwd_ids = {id(e) for e in fwd}
-        in_fwd = [e for e in inside if _inside(e, fwd_ids)]
-        backbone = _outermost(in_fwd, lambda e: bool(BACKBONE.search(e.name)))
+    full = bool(annotated) and all(forwards)
+    for (step, period), fwd in zip(spans, forwards):
+        # with the forward's record, its parts are read inside it; without, anywhere in the step
+        inside = [e for e in period if _inside(e, {id(f) for f in fwd})] if full else period
+        backbone = _outermost(inside, lambda e: bool(BACKBONE.search(e.name) or (not full and LAYER.match(e.name))))
         bb_ids = {id(e) for e in backbone}
-        tower = _outermost([e for e in in_fwd if not _inside(e, bb_ids)],
+        tower = _outermost([e for e in inside if not _inside(e, bb_ids)],
                            lambda e: bool(TOWER.search(e.name) or HEAD.search(e.name)))
-        sampler = _outermost(in_fwd, lambda e: bool(SAMPLER.search(e.name)))
-        step_ids = {id(step)}
-        sampled = _outermost([e for e in inside if not _inside(e, step_ids)],
-                             lambda e: bool(SAMPLE_TOKENS.search(e.name)))
-        busy = step.dur / 1e3 + _ms(sampled)
         comps["backbone"].append(_ms(backbone))
         comps["tower"].append(_ms(tower))
-        comps["sampler"].append(_ms(sampler))
-        comps["other"].append(_ms(fwd) - _ms(backbone) - _ms(tower) - _ms(sampler))
-        comps["outside_forward"].append(busy - _ms(fwd))
+        if full:
+            sampler = _outermost(inside, lambda e: bool(SAMPLER.search(e.name)))
+            sampled = _outermost([e for e in period if not _inside(e, {id(step)})],
+                                 lambda e: bool(SAMPLE_TOKENS.search(e.name)))
+            busy = step.dur / 1e3 + _ms(sampled)
+            comps["sampler"].append(_ms(sampler))
+            comps["other"].append(_ms(fwd) - _ms(backbone) - _ms(tower) - _ms(sampler))
+            comps["outside_forward"].append(busy - _ms(fwd))
     n = len(steps)
     step_mean = sum(periods) / n
     out = {
@@ -363,11 +370,20 @@ def attribute(evs: list[_Ev]) -> dict:
         "frame_ms": FRAME_MS,
         "steps_from": marked_by,
     }
-    if attributed:
-        out["components_ms"] = {k: sum(v) / n for k, v in comps.items()}
-        out["component_sum_ms"] = sum(out["components_ms"].values())
+    mean = {k: (sum(v) / n if v else None) for k, v in comps.items()}
+    if full:
+        out["components_ms"] = mean
+        out["component_sum_ms"] = sum(mean.values())
         out["coverage"] = out["component_sum_ms"] / step_mean if step_mean > 0 else None
         out["attributed"] = True
+    elif mean["backbone"] or mean["tower"]:
+        out["components_ms"] = mean
+        out["unattributed_ms"] = step_mean - mean["backbone"] - mean["tower"]
+        out["attributed"] = False
+        out["note"] = ("partly attributed: the backbone from its decoder layers' module records and the tower from "
+                       "its layers and heads; the sampler, the rest of the forward and the runner's work have no "
+                       "record of their own without Python stacks" + ("" if annotated else
+                                                                      ", and no step annotation bounds the step"))
     else:
         out["components_ms"] = None
         out["attributed"] = False
@@ -426,8 +442,13 @@ def markdown(ft: dict | None) -> list[str]:
     if comps:
         mean = s["mean"]
         head += ["| component | ms per step | share of the step |", "| --- | --- | --- |"]
-        head += [f"| {k.replace('_', ' ')} | {v:.2f} | {v / mean:.0%} |" for k, v in comps.items()]
-        head += [f"| sum | {ft['component_sum_ms']:.2f} | {ft['coverage']:.0%} of {mean:.2f} ms |", ""]
+        head += [f"| {k.replace('_', ' ')} | {v:.2f} | {v / mean:.0%} |" if v is not None else
+                 f"| {k.replace('_', ' ')} | - | - |" for k, v in comps.items()]
+        if ft["attributed"]:
+            head += [f"| sum | {ft['component_sum_ms']:.2f} | {ft['coverage']:.0%} of {mean:.2f} ms |", ""]
+        else:
+            head += [f"| not attributed | {ft['unattributed_ms']:.2f} | {ft['unattributed_ms'] / mean:.0%} |", "",
+                     f"Components: {ft['note']}.", ""]
     else:
         head += [f"Components: {ft.get('note', 'cannot attribute time inside the step')}.", ""]
     if ft.get("top_ops"):
@@ -449,5 +470,7 @@ def summary(ft: dict | None) -> str:
     comps = ft.get("components_ms")
     if not comps:
         return line + "; components not attributed"
-    return line + "; " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in comps.items()) + \
-        f" ({ft['coverage']:.0%} of the step)"
+    known = ", ".join(f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in comps.items() if v is not None)
+    if not ft["attributed"]:
+        return line + f"; {known}, {ft['unattributed_ms']:.1f} ms not attributed"
+    return line + f"; {known} ({ft['coverage']:.0%} of the step)"
