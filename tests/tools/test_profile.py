@@ -398,3 +398,26 @@ def test_validate_refuses_a_bad_cushion_or_window(tmp_path, args, says):
     done = run_cli("validate", "--out", str(tmp_path / "out"), *args)
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_the_window_is_skipped_when_the_server_is_not_serving(tmp_path):
+    """After a failed row g (an engine stopped by a runtime check) or a server gone, the window
+    says why it did not run instead of waiting on a dead engine."""
+    import argparse
+
+    class Proc:
+        def __init__(self, code):
+            self.returncode = code
+
+        def poll(self):
+            return self.returncode
+
+    args = argparse.Namespace(profile_steps=2, request_timeout=5.0)
+    said = []
+    ft = profile.window("http://127.0.0.1:9", None, tmp_path, Proc(1), [], args, said.append)
+    assert ft == {"error": "skipped: the server exited (status 1) before the window"} and said == []
+    ft = profile.window("http://127.0.0.1:9", None, tmp_path, Proc(None), [{"failed": 0}, {"failed": 2}], args,
+                        said.append)
+    assert ft == {"error": "skipped: 2 of row g's requests failed, so the server is not serving"}
+    assert profile.markdown(ft)[-2] == "Not measured: skipped: 2 of row g's requests failed, so the server is " \
+                                       "not serving."

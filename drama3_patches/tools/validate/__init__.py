@@ -204,10 +204,7 @@ def _phases(args, run_, proc, port: int, out: Path, reports: Path, log: Path, li
     if not args.no_profile:
         from drama3_patches.tools.validate import profile
 
-        say(f"per-frame time: {args.profile_steps} decode steps of stage 0 under vLLM's profiler")
-        run_.frame_time = profile.measure(url, lines[0], out / profile.TRACE_DIR, steps=args.profile_steps,
-                                          delay=profile.DELAY, timeout=args.request_timeout, say=say)
-        say(f"   {profile.summary(run_.frame_time)}")
+        run_.frame_time = profile.window(url, lines[0], out, proc, run_.bench_levels, args, say)
 
 
 def evidence_flush_s() -> float:

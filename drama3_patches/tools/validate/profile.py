@@ -51,6 +51,7 @@ from drama3_patches.tools.files import MIB, InputError, read_regular
 
 TRACE_DIR = "profile"  # under the report folder
 DELAY = 3  # steps after /start_profile left out: the request's prefill and its first decode steps
+CONTROL_TIMEOUT_S = 120  # /start_profile: the workers only arm their profiler
 MAX_TRACE_BYTES = 256 * MIB  # a trace file, compressed or not
 MAX_TRACE_JSON = 1024 * MIB  # its JSON once decompressed
 TRACE_NAMES = re.compile(r"(\.pt\.trace\.json(\.gz)?|^trace_rank\d+\.json(\.gz)?|^trace_view\.json)$")
@@ -144,13 +145,14 @@ def measure(url: str, line, trace_dir: Path, *, steps: int, delay: int, timeout:
     began, since = time.monotonic(), time.time() - 1
     frames = delay + steps + 4  # a few spare: the profiler stops at the step after the window
     out: dict = {"trace_dir": str(trace_dir)}
+    control = min(timeout, CONTROL_TIMEOUT_S)
     try:
-        _post(f"{url}/start_profile", {"stages": [0]}, timeout)
+        _post(f"{url}/start_profile", {"stages": [0]}, control)
         try:
             result = speak_kept(line, Settings(url=url, timeout=timeout,
                                                extra={"max_new_tokens": frames, "seed": 3000}))
         finally:
-            _post(f"{url}/stop_profile", {"stages": [0]}, timeout)
+            _post(f"{url}/stop_profile", {"stages": [0]}, timeout)  # may wait for the trace's writing
         if not result.ok:
             raise ProfileError(f"the profiled request failed: {result.error}")
         if say:
@@ -162,6 +164,21 @@ def measure(url: str, line, trace_dir: Path, *, steps: int, delay: int, timeout:
         out["error"] = str(exc)
     out["window_s"] = time.monotonic() - began
     return out
+
+
+def window(url: str, line, out: Path, proc, levels: list, args, say) -> dict:
+    """validate's per-frame time, after row g: :func:`measure` while the server still serves
+    (its process alive, row g's requests complete), else why not."""
+    if proc.poll() is not None:
+        return {"error": f"skipped: the server exited (status {proc.returncode}) before the window"}
+    failed = sum(lv.get("failed", 0) for lv in levels)
+    if failed:
+        return {"error": f"skipped: {failed} of row g's requests failed, so the server is not serving"}
+    say(f"per-frame time: {args.profile_steps} decode steps of stage 0 under vLLM's profiler")
+    ft = measure(url, line, out / TRACE_DIR, steps=args.profile_steps, delay=DELAY,
+                 timeout=args.request_timeout, say=say)
+    say(f"   {summary(ft)}")
+    return ft
 
 
 # -- the trace ----------------------------------------------------------------------------------
