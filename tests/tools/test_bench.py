@@ -28,7 +28,8 @@ from support.speech_server import NATIVE_RATE, SpeechServer, embed, spoken_bytes
 from support.subproc import ROOT, TESTS, run_cli
 
 GAP, CHUNKS = 0.15, 4  # the stream goes on for 3 x GAP after the first samples
-HEADER = "| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | SIM | completed | failed |"
+HEADER = ("| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | D p50 | D p99 | C100 | WER | SIM | "
+          "completed | failed |")
 
 
 def _cli(*args, timeout=300):
@@ -122,7 +123,7 @@ def test_measured_figures_match_what_was_injected(tmp_path):
     assert c1["duration"] >= sum(f + 3 * GAP for f in FIRSTS)  # one at a time
     assert c3["duration"] < c1["duration"]
 
-    # The table: the port's published columns plus SIM, completed/failed.
+    # The table: the port's published columns, the playout figures, SIM, completed/failed.
     lines = r.stdout.splitlines()
     assert lines[0] == HEADER
     assert lines[2].startswith(f"| 1 | {sb.sig3(c1['audio_throughput'])} | {sb.sig3(c1['median_ttft_ms'] / 1e3)} s | ")
@@ -771,7 +772,7 @@ def _levels():
 def test_plot_figure_has_the_run_and_reference_series():
     pytest.importorskip("matplotlib")
     fig = plot.build_figure(_levels(), plot.PORT_REFERENCE, "t")
-    thr, lat = fig.axes
+    thr, lat = fig.axes  # levels without chunk arrivals: the two summary panels only
     lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ax in (thr, lat)
              for ln in ax.get_lines()}
     ref = plot.PORT_REFERENCE["label"]
@@ -794,6 +795,40 @@ def test_plot_figure_has_the_run_and_reference_series():
     assert "partial: audio s/s" in labels and not any(x.startswith("partial: TTFA") for x in labels)
     assert "partial: no TTFA p50; partial: no TTFA p99" in fig.get_suptitle()
     assert plot.build_figure(_levels()).axes[1].get_yscale() == "linear"
+
+
+def _playout_level(c, streams):
+    """A level whose requests carry chunk timelines (``streams``: name -> chunks)."""
+    from drama3_patches.tools.bench import playout
+
+    reqs = [{"utt": name, "success": True, "audio_seconds": sum(s for _, s in chunks),
+             **playout.request_figures(chunks, chunks[0][0])} for name, chunks in streams.items()]
+    return {"max_concurrency": c, "audio_throughput": 1.0, "median_ttft_ms": 100.0, "p99_ttft_ms": 200.0,
+            "requests": reqs, "playout": playout.level_figures([r | {"audio_s": r["audio_seconds"]} for r in reqs])}
+
+
+def test_plot_draws_the_cushion_cdf_and_the_p50_p90_worst_streams():
+    pytest.importorskip("matplotlib")
+    quarter = {f"s{k}": [(0.1 + k * 0.01 + 0.5 * i * k / 3, 0.25) for i in range(4)] for k in range(4)}
+    # chunks every k/6 s: D of s0..s3 0, 0 (early), 3 x (1/3 - 1/4) = 0.25 in three stalls, 0.75
+    levels = [_playout_level(1, quarter), _playout_level(2, {"a": [(0.2, 0.1), (0.5, 0.1)], "b": [(0.3, 1.0)]})]
+    fig = plot.build_figure(levels)
+    assert len(fig.axes) == 5  # throughput, TTFA, CDF of D, one timeline per level
+    cdf = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in fig.axes[2].get_lines()}
+    assert cdf == {"concurrency 1 (4 streams)": ([0.0, 0.0, 0.0, pytest.approx(0.25), pytest.approx(0.75)],
+                                                 [0.0, 0.25, 0.5, 0.75, 1.0]),
+                   "concurrency 2 (1 streams)": ([0.0, pytest.approx(0.2)], [0.0, 1.0])}
+    c1 = fig.axes[3]
+    labels = [ln.get_label() for ln in c1.get_lines()]
+    # nearest rank of 4 streams by D: p50 index 2 (s2), p90 and worst index 3 (s3)
+    assert labels == ["p50 s2: D 0.25 s, 3 stall(s)", "_child1", "p90/worst s3: D 0.75 s, 3 stall(s)", "_child3"]
+    received, played = c1.get_lines()[2:4]
+    assert list(received.get_xdata()) == pytest.approx([0.0, 0.13, 0.63, 1.13, 1.63])
+    assert list(received.get_ydata()) == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    assert list(played.get_xdata()) == pytest.approx([0.13, 0.38, 0.63, 0.88, 1.13, 1.38, 1.63, 1.88])
+    assert list(played.get_ydata()) == pytest.approx([0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 0.75, 1.0])
+    # the single-chunk stream of level 2 is not drawn; its one stream is p50, p90 and worst at once
+    assert [ln.get_label() for ln in fig.axes[4].get_lines()][0] == "p50/p90/worst a: D 0.20 s, 1 stall(s)"
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -834,7 +869,7 @@ def test_unreachable_server_counts_every_request_as_failed(tmp_path):
     assert (level["completed"], level["failed"]) == (0, 2)
     assert all(f["error"].startswith("ConnectionRefusedError") for f in level["failures"])
     assert level["audio_throughput"] == 0 and level["median_ttft_ms"] is None and level["mean_ttft_ms"] is None
-    assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | - | 0 | 2 |"
+    assert r.stdout.splitlines()[2] == "| 2 | 0.00 | - | - | - | - | - | - | - | - | 0 | 2 |"
     assert "no completed stream" not in r.stdout  # no scorer asked for: the reason is the missing model
 
 
@@ -930,3 +965,100 @@ def test_ctrl_c_keeps_the_completed_levels_and_cuts_the_requests_in_flight(tmp_p
     (level,) = doc["levels"]
     assert (level["max_concurrency"], level["completed"], level["failed"]) == (1, 1, 0)
     assert took < 15.0
+
+
+# ---------------------------------------------------------------- playout against injected gaps
+
+# (spec words, injected chunk times after the first audio, chunk seconds, D, stalls, longest stall)
+PLAYOUT_STREAMS = [
+    ("pieces=0.25,0.25,0.25,0.25 gaps=0.5", [0.0, 0.5, 1.0, 1.5], [0.25] * 4, 0.75, 3, 0.25),
+    ("pieces=0.25,0.25,0.25,0.25 gaps=0.5,0.2,0.2", [0.0, 0.5, 0.7, 0.9], [0.25] * 4, 0.25, 1, 0.25),
+    ("pieces=0.3,0.3,0.3 gaps=0.1", [0.0, 0.1, 0.2], [0.3] * 3, 0.0, 0, 0.0),
+    ("pieces=0.2,0.2 gaps=0.35", [0.0, 0.35], [0.2] * 2, 0.15, 1, 0.15),
+]
+TOLERANCE_S = 0.030
+
+
+def _injected(sent: list[float], pieces: list[float]) -> dict:
+    """The figures of what the server sent, when it sent it (a loaded host may write a chunk late;
+    the client is judged on what it was given)."""
+    from drama3_patches.tools.bench import playout
+
+    return playout.request_figures([(t - sent[0], p) for t, p in zip(sent, pieces)], 0.0)
+
+
+def test_playout_figures_match_the_injected_chunk_gaps(tmp_path):
+    """Streams with scripted gaps through the stand-in server: every arrival, D, stall total and
+    longest stall within 30 ms of what the server sent, and when (its clock, beside the scheduled
+    timeline in PLAYOUT_STREAMS), the stall count exact (no injected stall lies near the 5 ms
+    floor), and the level's shares where no figure is within 30 ms of a bound."""
+    from drama3_patches.tools.bench import playout
+
+    specs = [f"first=0.1 {words}" for words, *_ in PLAYOUT_STREAMS]
+    meta = write_meta(tmp_path, specs)
+    out = tmp_path / "out.json"
+    sent = {}
+    with SpeechServer() as server:
+        for c in (1, 2):
+            r = bench(server, meta, "--concurrency", str(c), "--limit", "4", "--warmup", "0", "--json",
+                      str(out), "--force")
+            assert r.returncode == 0, r.stderr
+            sent[c] = dict(server.sent)
+            doc = json.loads(out.read_text())
+            _check_playout_level(doc["levels"][0], sent[c], specs, playout)
+    # the summary line: D p50 and p99, C100
+    c2 = doc["levels"][0]["playout"]
+    row = r.stdout.splitlines()[2].split(" | ")
+    assert row[5:8] == [f"{sb.sig3(c2['needed_cushion_s']['p50'])} s", f"{sb.sig3(c2['needed_cushion_s']['p99'])} s",
+                        "25%"]
+
+
+def _check_playout_level(level, sent, specs, playout):
+    reqs = {x["utt"]: x for x in level["requests"]}
+    given_figures = []
+    for n, (_, times, pieces, _d, stalls, _longest) in enumerate(PLAYOUT_STREAMS):
+        x = reqs[f"utt{n}"]
+        arrivals = [a for a, _ in x["chunks"]]
+        given = sent[specs[n]]
+        injected = _injected(given, pieces)
+        given_figures.append(injected | {"audio_s": sum(pieces)})
+        assert [t - given[0] for t in given] == pytest.approx(times, abs=0.25)  # the schedule, roughly
+        assert [s for _, s in x["chunks"]] == pytest.approx(pieces, abs=1e-6)  # from the byte counts
+        assert arrivals[0] == pytest.approx(x["ttft"], abs=1e-6)
+        assert [a - arrivals[0] for a in arrivals] == pytest.approx([t - given[0] for t in given], abs=TOLERANCE_S)
+        assert x["needed_cushion_s"] == pytest.approx(injected["needed_cushion_s"], abs=TOLERANCE_S)
+        assert x["stall_s"] == pytest.approx(injected["stall_s"], abs=TOLERANCE_S)
+        assert x["longest_stall_s"] == pytest.approx(injected["longest_stall_s"], abs=TOLERANCE_S)
+        assert x["stalls"] == injected["stalls"] == stalls
+        assert x["stall_free_start_s"] == pytest.approx(x["ttft"] + x["needed_cushion_s"], abs=1e-9)
+    po = level["playout"]
+    assert po["streams"] == 4
+    measured = [reqs[f"utt{n}"] for n in range(4)]
+    assert po == playout.level_figures([m | {"audio_s": m["audio_seconds"]} for m in measured])
+    # on schedule: longest stalls 0.25, 0.25, 0, 0.15 and D 0.75, 0.25, 0, 0.15, so C50 0.25, C100
+    # 0.25, C200 0.5 and stall-free shares 0.25, 0.75, 1, 1; against what was sent, each figure at
+    # least 50 ms from a bound unless the host held a chunk back that long
+    given = playout.level_figures(given_figures)
+    for key in ("c50", "c100", "c200", "stall_free_share"):
+        assert po[key] == given[key], key
+    for key in ("needed_cushion_s", "longest_stall_s"):
+        assert po[key] == pytest.approx(given[key], abs=TOLERANCE_S), key
+
+
+def test_failed_requests_carry_no_playout(tmp_path):
+    meta = write_meta(tmp_path, ["pieces=0.2,0.2 gaps=0.1", "mode=http500"])
+    with SpeechServer() as server:
+        level = sb.run_level(sb.read_meta(str(meta)), 1, sb.Settings(url=server.url)).result()
+    reqs = {x["utt"]: x for x in level["requests"]}
+    assert reqs["utt1"]["needed_cushion_s"] is None and reqs["utt1"]["chunks"] == []
+    assert len(reqs["utt0"]["chunks"]) == 2 and level["playout"]["streams"] == 1
+
+
+def test_a_stream_of_many_tiny_pieces_keeps_a_bounded_record(monkeypatch):
+    monkeypatch.setattr(sb, "MAX_CHUNKS", 3)
+    counter = sb.AudioCounter("pcm", 1000)
+    for i in range(10):
+        counter.feed(b"\0\0" * 10, float(i))
+    assert counter.arrivals == [[0.0, 20], [1.0, 20], [9.0, 160]]  # the rest joined the last, at its time
+    assert counter.timeline(0.0) == [(0.0, 0.01), (1.0, 0.01), (9.0, 0.08)]
+    assert counter.sample_bytes == 200

@@ -48,7 +48,9 @@ def register(sub) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="OUT", help="write every figure and every request to OUT "
                                                  "(vllm bench serve's key names; TTFT there is TTFA)")
-    o.add_argument("--plot", metavar="OUT.png", help="draw audio s/s and TTFA p50/p99 against concurrency")
+    o.add_argument("--plot", metavar="OUT.png", help="draw audio s/s and TTFA p50/p99 against concurrency, the CDF "
+                                                     "of the cushion each stream needs, and per level the p50, p90 "
+                                                     "and worst streams received and played against time")
     o.add_argument("--reference", choices=("port",), help="with --plot: add the port's published numbers")
     o.add_argument("--force", action="store_true", help="overwrite an existing --json or --plot file")
     o.add_argument("--quiet", action="store_true", help="no progress on stderr")

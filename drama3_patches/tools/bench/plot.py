@@ -4,6 +4,11 @@ matplotlib is imported here only, and drawn through the Agg canvas (no
 display, no pyplot state). ``--reference port`` adds the port's published
 table as a grey series; a figure the reference does not publish is left out,
 not guessed.
+
+Where the levels carry chunk arrivals (``playout``), two more kinds of panel follow: the CDF
+of D (the cushion each stream needs) per level, and per level the audio received against wall
+time for its p50, p90 and worst stream by D, each with the playhead of a player that starts at
+the first audio (flat where it stalls).
 """
 
 from __future__ import annotations
@@ -45,9 +50,11 @@ def build_figure(levels: list[dict], reference: dict | None = None, title: str =
     from matplotlib.figure import Figure
     from matplotlib.ticker import FixedLocator, FormatStrFormatter, LogLocator, NullLocator, ScalarFormatter
 
-    fig = Figure(figsize=(11, 4.6), dpi=100, layout="constrained")
+    playing = [lv for lv in levels if _streams(lv)]
+    rows = 1 + (len(playing) + 2) // 2 if playing else 1
+    fig = Figure(figsize=(11, 4.6 * rows), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    thr, lat = fig.subplots(1, 2)
+    thr, lat = fig.add_subplot(rows, 2, 1), fig.add_subplot(rows, 2, 2)
     groups = [("this run", levels, RUN_COLOR, "o^")]
     if reference:
         groups.append((reference["label"], reference["levels"], REF_COLOR, "sD"))
@@ -85,9 +92,66 @@ def build_figure(levels: list[dict], reference: dict | None = None, title: str =
         ax.grid(True, alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=8, loc="best")
+    if playing:
+        _cushion_cdf(fig.add_subplot(rows, 2, 3), playing)
+        for i, lv in enumerate(playing):
+            _timelines(fig.add_subplot(rows, 2, 4 + i), lv)
     if title or missing:
         fig.suptitle("; ".join(x for x in [title, *missing] if x), fontsize=10)
     return fig
+
+
+def _streams(level: dict) -> list[dict]:
+    """The level's completed requests of more than one chunk, by D."""
+    reqs = [r for r in level.get("requests") or [] if r.get("success") and len(r.get("chunks") or []) > 1]
+    return sorted(reqs, key=lambda r: r["needed_cushion_s"])
+
+
+def picked(level: dict) -> list[tuple[str, dict]]:
+    """The p50, p90 and worst streams by D (nearest rank), one label per stream drawn."""
+    reqs = _streams(level)
+    chosen: dict[int, list[str]] = {}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("worst", 1.0)):
+        chosen.setdefault(round(q * (len(reqs) - 1)), []).append(name)
+    return [("/".join(names), reqs[i]) for i, names in sorted(chosen.items())]
+
+
+def _cushion_cdf(ax, levels: list[dict]) -> None:
+    for lv in levels:
+        ds = [r["needed_cushion_s"] for r in _streams(lv)]
+        ax.step([0.0, *ds], [0.0, *((i + 1) / len(ds) for i in range(len(ds)))], where="post",
+                label=f"concurrency {lv['max_concurrency']} ({len(ds)} streams)")
+    ax.set_xlabel("cushion needed, D (s)")
+    ax.set_ylabel("share of streams with D at most x")
+    ax.set_title("Cushion a player needs to never stall")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlim(left=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+
+
+def _timelines(ax, level: dict) -> None:
+    from drama3_patches.tools.bench import playout
+
+    for (name, req), color in zip(picked(level), ("tab:blue", "tab:orange", "tab:red")):
+        chunks = [tuple(c) for c in req["chunks"]]
+        xs, ys, got = [0.0], [0.0], 0.0
+        for arrival, audio in chunks:
+            got += audio
+            xs.append(arrival)
+            ys.append(got)
+        ax.step(xs, ys, where="post", color=color,
+                label=f"{name} {req['utt']}: D {req['needed_cushion_s']:.2f} s, {req['stalls']} stall(s)")
+        t, played = zip(*playout.playhead(chunks))
+        ax.plot(t, played, "--", color=color, linewidth=1)
+    ax.set_xlabel("seconds since the request was sent")
+    ax.set_ylabel("audio seconds")
+    ax.set_title(f"Concurrency {level['max_concurrency']}: received (solid), played from the first audio (dashed)",
+                 fontsize=9)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def write_png(path: str, levels: list[dict], reference: dict | None = None, title: str = "") -> None:

@@ -9,7 +9,9 @@ same lines run at every concurrency.
 Per request: time to first audio (the first byte of samples, after any WAV
 header), audio seconds (sample bytes / (rate x channels x bytes per sample);
 rate from the WAV header, or the requested ``sample_rate`` for PCM), and
-real-time factor (request time / audio seconds). A request that ends with an
+real-time factor (request time / audio seconds), and each piece of audio's arrival and
+length, as numbers (``playout.py`` turns them into stalls and the cushion a player needs). A
+request that ends with an
 HTTP error, an ``speech.audio.error`` event, or without ``speech.audio.done``
 (truncated) is a failure and its partial audio is discarded.
 
@@ -45,6 +47,10 @@ MAX_EVENT_BYTES = 16 * MIB
 MAX_WAV_HEADER = 64 * 1024  # RIFF chunks before "data"; vLLM-Omni's header is 44 bytes
 MAX_REF_BYTES = 32 * MIB  # a reference clip (Seed-TTS-Eval's are seconds long, well under 1 MiB)
 MAX_META_BYTES = 64 * MIB
+# Chunk arrivals kept per request (numbers only): far above a real stream's (Drama 3 sends a
+# window of 6 to 64 frames at a time); past it, later pieces join the last record, stamped
+# with the later arrival, so a server that sends single bytes cannot grow the record.
+MAX_CHUNKS = 20000
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,14 @@ class AudioCounter:
         self.ready = not self.wav
         self.chunks: list[bytes] = []
         self.keep = False
+        self.arrivals: list[list] = []  # [clock time, sample bytes] per piece of audio read
+
+    def _arrived(self, now: float, size: int) -> None:
+        if len(self.arrivals) < MAX_CHUNKS:
+            self.arrivals.append([now, size])
+        else:
+            self.arrivals[-1][0] = now
+            self.arrivals[-1][1] += size
 
     def feed(self, data: bytes, now: float) -> None:
         if not self.ready:
@@ -140,6 +154,7 @@ class AudioCounter:
             if self.first_audio is None:
                 self.first_audio = now
             self.sample_bytes += len(data)
+            self._arrived(now, len(data))
             if self.keep:
                 self.chunks.append(data)
 
@@ -148,6 +163,11 @@ class AudioCounter:
         if not self.rate:
             return 0.0
         return self.sample_bytes / (self.rate * self.channels * (self.bits // 8))
+
+    def timeline(self, start: float) -> list[tuple[float, float]]:
+        """``(arrival_s, audio_s)`` per piece: seconds since ``start`` (the send), seconds of audio."""
+        per_s = self.rate * self.channels * (self.bits // 8) if self.rate else 0
+        return [(t - start, size / per_s) for t, size in self.arrivals] if per_s else []
 
 
 @dataclass
@@ -164,6 +184,16 @@ class Result:
     channels: int = 1
     bits: int = 16
     audio: bytes = field(default=b"", repr=False)
+    chunks: list = field(default_factory=list, repr=False)  # (arrival_s, audio_s): playout.py
+
+    def playout(self) -> dict:
+        """The request's playout figures (``playout.request_figures``); all None when it failed."""
+        from drama3_patches.tools.bench import playout
+
+        if not self.ok:
+            return dict.fromkeys(("needed_cushion_s", "stalls", "stall_s", "longest_stall_s",
+                                  "stall_free_start_s"), None) | {"chunks": []}
+        return playout.request_figures(self.chunks, self.ttfa)
 
     @property
     def rtf(self) -> float | None:
@@ -423,6 +453,7 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
         res.sample_rate = counter.rate
         res.channels = counter.channels
         res.bits = counter.bits
+        res.chunks = counter.timeline(start)
         if s.keep_audio:
             res.audio = b"".join(counter.chunks)
     return res
@@ -473,10 +504,14 @@ class Level:
 
         TTFT here is the time to first audio (TTFA): request sent to the first
         sample bytes, the WAV header excluded; e2el is the whole streamed request.
-        The speech figures (audio seconds, audio throughput, RTF, WER, SIM) sit beside them.
+        The speech figures (audio seconds, audio throughput, RTF, WER, SIM) sit beside them, and
+        ``playout`` (``playout.level_figures``): stalls and the cushion a player needs.
         """
+        from drama3_patches.tools.bench import playout
+
         ok = self.ok
         audio = sum(r.audio_s for r in ok)
+        figures = [r.playout() for r in self.results]
         rtfs = [r.rtf for r in ok if r.rtf is not None]
         t0 = min((r.start for r in self.results), default=0.0)
         out = {
@@ -487,6 +522,8 @@ class Level:
             "audio_seconds": audio, "audio_throughput": audio / self.wall_s if self.wall_s > 0 else None,
             "mean_rtf": sum(rtfs) / len(rtfs) if rtfs else None, "median_rtf": percentile(rtfs, 50),
             "p99_rtf": percentile(rtfs, 99),
+            "playout": playout.level_figures([f | {"audio_s": r.audio_s}
+                                              for r, f in zip(self.results, figures) if r.ok]),
         }
         out |= self.wer.fields() if self.wer is not None else {"wer": None}
         out["wer_note"] = self.wer_note
@@ -498,7 +535,7 @@ class Level:
             "failures": [{"utt": r.utt, "error": r.error} for r in self.results if not r.ok],
             "requests": [{"utt": r.utt, "success": r.ok, "error": r.error, "ttft": r.ttfa, "latency": r.elapsed,
                           "start_time": r.start - t0, "audio_seconds": r.audio_s, "sample_rate": r.sample_rate,
-                          "channels": r.channels, "rtf": r.rtf} for r in self.results],
+                          "channels": r.channels, "rtf": r.rtf, **f} for r, f in zip(self.results, figures)],
         }
         return out
 
@@ -586,9 +623,12 @@ def sig3(value) -> str:
 
 
 def table(levels: list[dict], wer_note: str | None = None, sim_note: str | None = None) -> str:
-    """The port's published columns (seconds, as it prints them), then SIM, completed and failed."""
-    rows = ["| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | WER | SIM | completed | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The port's published columns (seconds, as it prints them), the playout figures (D, the
+    cushion a player needs, p50 and p99; C100, the share of streams whose longest stall is at
+    most 100 ms), then SIM, completed and failed."""
+    rows = ["| concurrency | audio s/s | TTFA p50 | TTFA p99 | RTF mean | D p50 | D p99 | C100 | WER | SIM | "
+            "completed | failed |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def secs(ms):
         return "-" if ms is None else sig3(ms / 1e3) + " s"
@@ -596,10 +636,17 @@ def table(levels: list[dict], wer_note: str | None = None, sim_note: str | None 
     for lv in levels:
         wer = "-" if lv["wer"] is None else f"{lv['wer'] * 100:.2f}%"
         sim = "-" if lv["sim"] is None else f"{lv['sim']:.3f}"
+        po = lv.get("playout") or {}
+        d = po.get("needed_cushion_s") or {}
+        c100 = "-" if po.get("c100") is None else f"{po['c100'] * 100:.0f}%"
         rows.append(f"| {lv['max_concurrency']} | {sig3(lv['audio_throughput'])} | {secs(lv['median_ttft_ms'])} | "
-                    f"{secs(lv['p99_ttft_ms'])} | {sig3(lv['mean_rtf'])} | {wer} | {sim} | {lv['completed']} | "
-                    f"{lv['failed']} |")
+                    f"{secs(lv['p99_ttft_ms'])} | {sig3(lv['mean_rtf'])} | {secs(_ms(d.get('p50')))} | "
+                    f"{secs(_ms(d.get('p99')))} | {c100} | {wer} | {sim} | {lv['completed']} | {lv['failed']} |")
     notes = [f"WER: - ({wer_note})" if wer_note else "", f"SIM: - ({sim_note})" if sim_note else ""]
     if any(notes):
         rows.append("\n" + "\n".join(n for n in notes if n))
     return "\n".join(rows)
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3

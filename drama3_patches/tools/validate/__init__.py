@@ -12,7 +12,11 @@ d. at stage-0 tensor parallel > 1, the ranks' frames compared every step
    (``DRAMA3_PATCHES_TP_CHECK``), with the number of steps compared;
 e. every process's patch report against what its role should show;
 f. no device, collective or traceback line in the server's log;
-g. a short ``bench`` pass at concurrency 1 and N: TTFA, audio seconds per second, RTF.
+g. a short ``bench`` pass at concurrency 1 and N: TTFA, audio seconds per second, RTF, and the
+   playout figures (stalls, the cushion a player needs; ``--require-stall-free C``);
+
+then, unless ``--no-profile``, the per-frame time: a window of decode steps at concurrency 1 under
+vLLM's profiler (``profile``), reported in its own section.
 
 Before anything starts, the host is checked (``preflight``: vLLM and vLLM-Omni installed and
 paired as ``doctor`` says, what the tiny model needs): a bare host gets one line and exit 2. It
@@ -28,7 +32,7 @@ operator's to export, so a run without it shows what an unpatched deployment doe
 Modules: ``preflight`` (the host), ``deploy`` (the served file), ``server`` (start, wait, stop the
 process group), ``logscan`` (the log, read once as it grows), ``diagnose`` (failure signatures),
 ``facts`` (the host's facts), ``phases`` (the requests), ``evidence`` (reports, counts),
-``verdict`` (the checks and the report).
+``verdict`` (the checks and the report), ``profile`` (the per-frame time).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ import time
 from pathlib import Path
 
 # What a run writes in --out; --force removes these first (nothing else of the folder is touched).
-OUTPUTS = ("reports", "audio", "refs", "report.json", "report.md", "server.log", "deploy.yaml", "host-facts.md",
-           "diagnosis.txt")
+OUTPUTS = ("reports", "audio", "refs", "profile", "report.json", "report.md", "server.log", "deploy.yaml",
+           "host-facts.md", "diagnosis.txt", "metrics.txt")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -80,6 +84,13 @@ def register(sub) -> None:
     r.add_argument("--stop-grace", type=float, default=60,
                    help="seconds the server's processes get to end on TERM before KILL (default 60)")
     r.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
+    r.add_argument("--require-stall-free", type=float, metavar="C",
+                   help="fail row g unless every concurrency-1 stream plays without a stall once C seconds of "
+                        "audio are buffered (for the cards; a CPU host is far slower than real time)")
+    r.add_argument("--no-profile", action="store_true", help="skip the per-frame time (stage 0 is then served "
+                                                            "without a profiler_config)")
+    r.add_argument("--profile-steps", type=int, default=24,
+                   help="decode steps in the per-frame time window (default 24)")
     p.set_defaults(func=run)
 
 
@@ -87,8 +98,10 @@ def _check_args(args) -> None:
     from drama3_patches import env
     from drama3_patches.tools.files import InputError
 
+    if args.require_stall_free is not None and not 0 <= args.require_stall_free < 3600:
+        raise InputError("--require-stall-free must be between 0 and 3600 seconds of audio")
     for flag in ("clones", "clone_frames", "preempt_requests", "preempt_frames", "kv_blocks", "max_model_len",
-                 "bench_concurrency", "bench_requests"):
+                 "bench_concurrency", "bench_requests", "profile_steps"):
         if getattr(args, flag) < 1:
             raise InputError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     for flag in ("stagger",):
@@ -192,8 +205,11 @@ def _run(args, name, loaded, out: Path, began: float, started_at: float, say, si
     from drama3_patches.tools.validate import deploy as deploys
     from drama3_patches.tools.validate import facts, logscan, phases, server, verdict
 
+    from drama3_patches.tools.validate import profile
+
     scale = deploys.Scale(kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, frames=args.clone_frames)
-    served = deploys.scaled(loaded, scale)
+    served = deploys.scaled(loaded, scale, None if args.no_profile else profile.profiler_config(
+        out / profile.TRACE_DIR, args.profile_steps, profile.DELAY))
     tp = deploys.tp_size(served)
     run_ = verdict.Run(profile=name, model=args.model or str(out / "model"), tp=tp,
                        ep=deploys.expert_parallel(served), compiled=deploys.compiles(served), scale=scale,
@@ -338,8 +354,13 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
     say(f"g. bench at concurrency {', '.join(map(str, levels))}, {args.bench_requests} requests each")
     t0 = time.monotonic()
     run_.bench(phases.bench_levels(url, lines[:args.bench_requests], levels, args.request_timeout),
-               time.monotonic() - t0)
+               time.monotonic() - t0, require_stall_free=args.require_stall_free)
     scan.poll()
+    if not args.no_profile:
+        from drama3_patches.tools.validate import profile
+
+        run_.frame_time = profile.window(url, lines[0], out, srv, run_.bench_levels, args, say)
+        scan.poll()
 
 
 def _judge(ctx: _Context, srv) -> None:

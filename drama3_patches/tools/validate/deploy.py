@@ -63,10 +63,14 @@ def expert_parallel(deploy: dict) -> bool:
     return bool(stage0(deploy).get("enable_expert_parallel", False))
 
 
-def scaled(deploy: dict, scale: Scale) -> dict:
-    """A copy of ``deploy`` with stage 0's KV pool, longest request and default frames set."""
+def scaled(deploy: dict, scale: Scale, profiler: dict | None = None) -> dict:
+    """A copy of ``deploy`` with stage 0's KV pool, longest request and default frames set, and
+    ``profiler`` as stage 0's ``profiler_config`` when given (``validate.profile``: off until the
+    per-frame window asks for it)."""
     out = copy.deepcopy(deploy)
     ar = stage0(out)
+    if profiler is not None:
+        ar["profiler_config"] = dict(profiler)
     # num_gpu_blocks_override reaches vLLM's engine arguments through vLLM-Omni's engine_extras.
     ar["num_gpu_blocks_override"] = scale.kv_blocks
     ar["max_model_len"] = min(int(ar.get("max_model_len") or scale.max_model_len), scale.max_model_len)

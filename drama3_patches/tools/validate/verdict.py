@@ -46,6 +46,7 @@ class Run:
     stopped: dict = field(default_factory=dict)  # what stopping the server took (server.Server.stop)
     diagnosis: list = field(default_factory=list)  # report.md's lines on the first failing row
     facts: dict = field(default_factory=dict)  # host facts summary (facts.collect); whole in host-facts.md
+    frame_time: dict | None = None  # profile.measure's figures, when profiled
 
     # -- phases --------------------------------------------------------------------------------
 
@@ -100,14 +101,19 @@ class Run:
         self._served(phase)
         self.checks["c"] = Check("c. preemption and resume", ok, detail, wall_s=phase.wall_s)
 
-    def bench(self, levels: list, wall_s: float) -> None:
+    def bench(self, levels: list, wall_s: float, require_stall_free: float | None = None) -> None:
+        from drama3_patches.tools.bench import playout
+
         self.bench_levels = levels
         self.counts["requests_completed"] += sum(lv["completed"] for lv in levels)
         failed = [f"{f['utt']}: {f['error']}" for lv in levels for f in lv["failures"]]
         parts = [f"c{lv['max_concurrency']}: TTFA p50 {_ms(lv['median_ttft_ms'])}, "
-                 f"{_num(lv['audio_throughput'])} audio s/s, RTF {_num(lv['mean_rtf'])}" for lv in levels]
-        detail = "; ".join(parts) + ("; failed: " + "; ".join(failed[:4]) if failed else "")
-        self.checks["g"] = Check("g. bench", not failed, detail, wall_s=wall_s)
+                 f"{_num(lv['audio_throughput'])} audio s/s, RTF {_num(lv['mean_rtf'])}, "
+                 f"{playout.summary(lv.get('playout'))}" for lv in levels]
+        stalled = playout.not_stall_free(levels, require_stall_free)
+        detail = "; ".join(parts) + ("; failed: " + "; ".join(failed[:4]) if failed else "") + \
+            ("; " + "; ".join(stalled[:4]) if stalled else "")
+        self.checks["g"] = Check("g. bench", not failed and not stalled, detail, wall_s=wall_s)
 
     def final(self, counts: dict, procs: list, skipped: list, scan,
               not_run: str = "the server never became ready") -> None:
@@ -179,6 +185,7 @@ class Run:
             "audio": self.audio, "notes": self.notes, "wall_s": self.wall_s, "ended": self.ended,
             "first_failed": self.first_failed.name if self.first_failed else None,
             "diagnosis": self.diagnosis, "server_stop": self.stopped, "facts": self.facts,
+            "frame_time": self.frame_time,
         }, indent=1, default=str)
 
     def markdown(self) -> str:
@@ -199,6 +206,9 @@ class Run:
                  "| --- | --- | --- | --- | --- |",
                  f"| {n['requests_completed']} | {n['preemptions']} | {n['resumes']} | {n['resumes_verified']} | "
                  f"{n['tp_steps_checked']} |"]
+        from drama3_patches.tools.validate import profile
+
+        head += profile.markdown(self.frame_time)
         if self.diagnosis:
             head += ["", "### Diagnosis", ""] + self.diagnosis
         if self.ended != "completed":
