@@ -100,10 +100,35 @@ def test_validate_stops_every_server_process_and_leaves_the_host_facts(tp2):
     assert "DRAMA3_PATCHES" in report["facts"]["variables"]
 
 
+def test_validate_profiles_the_per_frame_time_and_reports_playout(tp2):
+    out, done, report, checks = tp2
+    ft = report["frame_time"]
+    assert ft and "error" not in ft, ft
+    assert ft["steps"] == rehearsal.PROFILE_STEPS and ft["attributed"], ft
+    comps = ft["components_ms"]
+    assert set(comps) == {"backbone", "tower", "sampler", "other", "outside_forward"}
+    assert all(comps[k] > 0 for k in ("backbone", "tower", "sampler", "outside_forward")), comps
+    assert comps["other"] >= 0, comps
+    # the components account for the step time within 10%
+    assert abs(ft["component_sum_ms"] - ft["step_ms"]["mean"]) <= 0.10 * ft["step_ms"]["mean"], ft
+    assert len(ft["top_ops"]) == 10 and all(o["ms_per_step"] > 0 for o in ft["top_ops"])
+    assert Path(ft["trace"]).is_file() and (out / "profile") in Path(ft["trace"]).parents
+    md = (out / "report.md").read_text()
+    assert "### Per-frame time (stage 0, concurrency 1)" in md and "| sum |" in md
+    assert "cushion needed D p50" in checks["g"]["detail"]
+    for lv in report["bench"]:
+        assert lv["playout"]["streams"] >= 1
+        for q in lv["requests"]:
+            frames = [round(s * 44100 / 2048) for _, s in q["chunks"]]
+            # the chunks add up to the request's audio, and the stream starts with the ramp's 6 frames
+            assert sum(frames) * 2048 == round(q["audio_seconds"] * 44100) and (sum(frames) <= 6 or frames[0] == 6)
+            assert q["stall_free_start_s"] == pytest.approx(q["ttft"] + q["needed_cushion_s"])
+
+
 @pytest.mark.parametrize("fault", ["parked-history", "wrong-slot"])
 def test_validate_fails_the_preemption_row_on_a_resume_fed_other_frames(model_dir, tmp_path, fault):
     done, report, checks = _run(model_dir, tmp_path / fault, tp=2, fault=fault,
-                                extra=["--clones", "1", "--bench-requests", "1"])
+                                extra=["--clones", "1", "--bench-requests", "1", "--no-profile"])
     assert done.returncode == 1 and not report["passed"]
     assert checks["a"]["passed"] and checks["b"]["passed"], checks
     assert not checks["c"]["passed"], checks["c"]
