@@ -105,7 +105,12 @@ class Engine:
             if force:
                 # Only the ids given: forcing the whole engine would let every trigger apply the rest.
                 self.forced.add(rec.spec.id)
-                rec.removed = False
+                with rec.lock:
+                    rec.removed = False
+                    # apply() is the one way back from failed, and it re-plans the whole patch.
+                    for tr in rec.targets.values():
+                        if tr.state == FAILED:
+                            tr.state, tr.reason = PENDING, "re-planned by drama3_patches.apply()"
         if self.enabled():
             install_trigger(m for rec in self.records.values() if self.enabled(rec) for m in rec.spec.modules)
         for rec in selected:
@@ -118,7 +123,9 @@ class Engine:
                 continue
             with rec.lock:
                 for tr in rec.targets.values():
-                    if tr.target.module == module_name and tr.state != APPLIED:
+                    # A failed target stays failed: one withdrawn alongside another module's failure
+                    # must not be planned on its own when its module arrives (all or none).
+                    if tr.target.module == module_name and tr.state not in (APPLIED, FAILED):
                         tr.state, tr.reason = PENDING, "target module re-executed"
             self._evaluate(rec, executed=module_name)
 
@@ -218,7 +225,7 @@ class Engine:
         skip = self._guard(rec)
         if skip is not None:
             for tr in rec.targets.values():
-                if tr.state != APPLIED:
+                if tr.state not in (APPLIED, FAILED):  # a failure keeps its cause until apply()
                     tr.state, tr.reason = SKIPPED, skip
             return
         # A reload puts a fresh original where our replacement was: patch it again.
