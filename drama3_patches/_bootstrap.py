@@ -1,20 +1,55 @@
 """Start-up hook: what the ``drama3_patches.pth`` line imports.
 
-Standard library only (no torch, yaml, wrapt, packaging or vllm): this runs in
-every interpreter of the deployment, so it reads the environment, finds the
-target modules with a line scan of the manifest, puts an import trigger at the
-front of ``sys.meta_path`` and returns.  The engine itself is imported only
-when a target module is first imported.
+It runs in every interpreter of a deployment with ``DRAMA3_PATCHES`` on, so on its common path
+it imports nothing but itself (and the package ``__init__``, which only defines names): no yaml,
+wrapt, torch or vllm, and not even ``env`` or ``reader``. It finds the target modules, puts an
+import trigger at the front of ``sys.meta_path`` and returns; the engine is imported only when a
+target module is first imported.
+
+The target modules come from a small cache file (:data:`CACHE_NAME`) in the private cache folder
+(``DRAMA3_PATCHES_CACHE_DIR``, else ``$XDG_CACHE_HOME/drama3_patches`` or
+``~/.cache/drama3_patches``), one entry per manifest, keyed by the manifest's path and its
+identity on disk (device, inode, size, mtime and ctime in nanoseconds): an edit, a copy over it
+or a new file at that path changes the key, and the manifest is then line-scanned again and the
+entry rewritten. So start-up costs the same whatever the manifest's size, and a new manifest
+entry is picked up at the first start after it is written. The cache is used only when nobody
+else could have written it (the folder and the file belong to this user, are closed to group and
+others, and neither is reached through a symbolic link); on any doubt or error the manifest is
+scanned, silently, as without a cache.
+
+A stale list cannot patch anything the manifest does not name: a trigger only calls the engine,
+which reads the manifest itself and then triggers every module that manifest names
+(``Engine.on_import``).
 """
 
+import os
+import stat
 import sys
-
-from drama3_patches import env, reader
 
 # What the trigger calls once a target module has executed: a string, so the engine
 # (yaml, packaging, the manifest) is imported only then.
 HOOK = "drama3_patches.engine:on_import"
 ACTIVATE = "drama3_patches.engine:activate"
+
+# Copies of names of drama3_patches.env, which this module imports only off its common path
+# (tests/engine/test_startup_cache.py checks that they agree).
+_ENABLE = "DRAMA3_PATCHES"
+_TRUE = ("1", "true", "yes", "on")
+_MANIFEST = "DRAMA3_PATCHES_MANIFEST"
+_CACHE_DIR = "DRAMA3_PATCHES_CACHE_DIR"
+
+CACHE_NAME = "startup-targets"
+# The cache file's first line; the number changes whenever the scan or the format does.
+CACHE_HEADER = "drama3-patches start-up targets 1"
+CACHE_MAX_BYTES = 64 << 10
+CACHE_ENTRIES = 16
+# A manifest changed less than this ago is not cached: a second write within the file system's
+# timestamp granularity could leave size and times (the key) as they were, with other contents.
+RACY_NS = 1_000_000_000
+_O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+# Where this process's start-up list came from: "cache", "manifest" (scanned), None (not activated).
+targets_from = None
 
 
 def _call(hook: str, *args) -> None:
@@ -24,6 +59,8 @@ def _call(hook: str, *args) -> None:
 
         pkgutil.resolve_name(hook)(*args)
     except Exception as exc:  # a broken manifest, a missing dependency, an engine bug
+        from drama3_patches import env
+
         env.soft_failure("drama3-patches could not patch", exc)
 
 
@@ -144,16 +181,192 @@ def install_trigger(modules) -> TriggerFinder:
     return finder
 
 
-def activate() -> None:
-    """Called by the ``.pth`` line: register triggers; patch what is already imported."""
-    if not env.enabled():
-        return
+def manifest_path() -> str:
+    """``env.manifest_path()``, without importing env: $DRAMA3_PATCHES_MANIFEST, the packaged
+    copy, or the source tree's."""
+    override = os.environ.get(_MANIFEST)
+    if override:
+        return override
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(here, "patches_manifest.yaml")
+    if os.path.exists(packaged):
+        return packaged
+    return os.path.join(os.path.dirname(here), "patches_manifest.yaml")
+
+
+def cache_dir() -> str | None:
+    """The private cache folder (the native fp8 kernel's too), None without one to name."""
+    explicit = os.environ.get(_CACHE_DIR)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.environ.get("HOME")  # not expanduser: without HOME it would read the password database
+        if not home:
+            return None
+        base = os.path.join(home, ".cache")
+    return os.path.join(base, "drama3_patches")
+
+
+def _check_private(st: os.stat_result) -> None:
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError("the start-up cache is not private to this user")
+
+
+def _open_cache_dir(folder: str, create: bool) -> int:
+    """A descriptor of the cache folder, checked private (the last component is never a link)."""
+    if create:
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            os.mkdir(folder, 0o700)
+    fd = os.open(folder, _O_READ | os.O_DIRECTORY)
     try:
-        modules = scan_target_modules(reader.read_manifest_text(env.manifest_path()))
+        _check_private(os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_entries(dir_fd: int) -> list[str]:
+    """The cache file's entries (``path TAB key TAB modules``); [] when absent or of another format."""
+    try:
+        fd = os.open(CACHE_NAME, _O_READ | getattr(os, "O_NONBLOCK", 0), dir_fd=dir_fd)
+    except FileNotFoundError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > CACHE_MAX_BYTES:
+            raise PermissionError("the start-up cache is not a small regular file")
+        _check_private(st)
+        chunks, left = [], CACHE_MAX_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > CACHE_MAX_BYTES:
+        raise PermissionError("the start-up cache grew while read")
+    lines = data.decode("utf-8").split("\n")
+    # Written whole and renamed into place, so the last line is empty: anything else is not ours.
+    if lines[0] != CACHE_HEADER or lines[-1] != "":
+        return []
+    return [line for line in lines[1:] if line]
+
+
+def _key(st: os.stat_result) -> str:
+    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+def _from_cache(path: str) -> list[str] | None:
+    """The target modules cached for the manifest at ``path`` as it is now; None when there is no
+    such entry, or on any doubt (then the caller scans)."""
+    try:
+        folder = cache_dir()
+        if folder is None:
+            return None
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        dir_fd = _open_cache_dir(folder, create=False)
+        try:
+            entries = _read_entries(dir_fd)
+        finally:
+            os.close(dir_fd)
+        prefix = f"{path}\t{_key(st)}\t"
+        for line in entries:
+            if line.startswith(prefix):
+                return line[len(prefix):].split()
+    except Exception:  # absent, refused or unreadable: scan instead
+        return None
+    return None
+
+
+def _store(path: str, st: os.stat_result, modules: list[str]) -> None:
+    """Put this manifest's entry first in the cache file (written aside, then renamed); never raises."""
+    try:
+        import time
+
+        folder = cache_dir()
+        if folder is None or "\t" in path or "\n" in path:
+            return
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS:
+            return
+        dir_fd = _open_cache_dir(folder, create=True)
+        try:
+            try:
+                entries = _read_entries(dir_fd)
+            except (OSError, ValueError):  # refused or garbled: ours replaces it
+                entries = []
+            entries = [f"{path}\t{_key(st)}\t{' '.join(modules)}"] + [
+                e for e in entries if not e.startswith(f"{path}\t")][:CACHE_ENTRIES - 1]
+            data = "\n".join([CACHE_HEADER, *entries, ""]).encode()
+            if len(data) > CACHE_MAX_BYTES:
+                return
+            tmp = f".{CACHE_NAME}.{os.getpid()}.{os.urandom(4).hex()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_READ, 0o600, dir_fd=dir_fd)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, CACHE_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                os.unlink(tmp, dir_fd=dir_fd)
+                raise
+        finally:
+            os.close(dir_fd)
+    except Exception:  # a read-only home, a full disk, a folder not ours: the next start scans again
+        pass
+
+
+def _from_manifest(path: str) -> list[str] | None:
+    """Line-scan the manifest (and cache what it names); None, with one warning, when unreadable."""
+    from drama3_patches import reader
+
+    try:
+        data, st = reader.read_regular(path, reader.MANIFEST_MAX_BYTES, "manifest")
+        text = reader.decode_text(data, path, "manifest")
     except OSError as exc:
+        from drama3_patches import env
+
         env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply "
                       f"(point {env.MANIFEST} at a readable manifest file, or unset it)")
+        return None
+    modules = scan_target_modules(text)
+    _store(path, st, modules)
+    return modules
+
+
+def activate() -> None:
+    """Called by the ``.pth`` line: register triggers; patch what is already imported."""
+    global targets_from
+    if targets_from is not None:  # once per process (some virtual environments run .pth files twice)
         return
+    if os.environ.get(_ENABLE, "").strip().lower() not in _TRUE:
+        from drama3_patches import env
+
+        if not env.enabled():  # off, or a value it does not understand (warned once)
+            return
+    path = manifest_path()
+    modules = _from_cache(path)
+    if modules is not None:
+        targets_from = "cache"
+    else:
+        modules = _from_manifest(path)
+        if modules is None:
+            return
+        targets_from = "manifest"
     install_trigger(modules)
     # Late start: a target imported before us (rare at .pth time) is patched now.
     if any(m in sys.modules for m in modules):

@@ -1,8 +1,8 @@
 """The package's one bounded file reader: a regular file of bounded size, never a blocking open.
 
-Standard library only, imported at interpreter start (the start-up scan reads the manifest
-with it), so it stays small; the operator commands read every input file through it too
-(``tools/files.py``).
+Standard library only, imported at interpreter start when the start-up list is not cached
+(the start-up scan reads the manifest with it), so it stays small; the operator commands read
+every input file through it too (``tools/files.py``).
 """
 
 import os
@@ -65,6 +65,11 @@ def read_regular(path: str, limit: int, what: str = "file", follow: bool = True)
 def read_text(path: str, limit: int, what: str = "file") -> str:
     """:func:`read_regular`, decoded as UTF-8; a bad byte is one line naming its offset."""
     data, _ = read_regular(path, limit, what)
+    return decode_text(data, path, what)
+
+
+def decode_text(data: bytes, path: str, what: str = "file") -> str:
+    """``data`` (read from ``path``) as UTF-8 text, else :class:`UnreadableFile` naming the offset."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -17,7 +17,7 @@ import threading
 from typing import Any, Iterable
 
 from drama3_patches import env
-from drama3_patches._bootstrap import install_trigger
+from drama3_patches._bootstrap import install_trigger, installed_finder
 from drama3_patches.engine.install import Installer, Resolved, TargetAbsent, resolve, still_executing
 from drama3_patches.engine.state import (
     ALONGSIDE,
@@ -55,6 +55,7 @@ class Engine:
         self._init_lock = threading.Lock()
         self._platform: str | None = None
         self._import_errors: dict[str, str] = {}  # module -> why `import_targets` could not import it
+        self._triggers_synced = False
 
     # -- lazily built state ------------------------------------------------
     @property
@@ -105,7 +106,12 @@ class Engine:
             if force:
                 # Only the ids given: forcing the whole engine would let every trigger apply the rest.
                 self.forced.add(rec.spec.id)
-                rec.removed = False
+                with rec.lock:
+                    rec.removed = False
+                    # apply() is the one way back from failed, and it re-plans the whole patch.
+                    for tr in rec.targets.values():
+                        if tr.state == FAILED:
+                            tr.state, tr.reason = PENDING, "re-planned by drama3_patches.apply()"
         if self.enabled():
             install_trigger(m for rec in self.records.values() if self.enabled(rec) for m in rec.spec.modules)
         for rec in selected:
@@ -113,14 +119,38 @@ class Engine:
 
     def on_import(self, module_name: str) -> None:
         """Called by the import trigger after ``module_name`` executed (import or reload)."""
+        if not self._triggers_synced:
+            self._sync_triggers()
         for rec in self.records.values():
             if module_name not in rec.spec.modules:
                 continue
             with rec.lock:
                 for tr in rec.targets.values():
-                    if tr.target.module == module_name and tr.state != APPLIED:
+                    # A failed target stays failed: one withdrawn alongside another module's failure
+                    # must not be planned on its own when its module arrives (all or none).
+                    if tr.target.module == module_name and tr.state not in (APPLIED, FAILED):
                         tr.state, tr.reason = PENDING, "target module re-executed"
             self._evaluate(rec, executed=module_name)
+
+    def _sync_triggers(self) -> None:
+        """At the first trigger: trigger every module the manifest names now.
+
+        The start-up list may be older than the manifest (a cache entry, an edit since start):
+        a module it lacks gets its trigger here, and one imported already is patched now. A
+        module it names that the manifest no longer does only ever reaches ``on_import``, which
+        finds no patch for it.
+        """
+        self._triggers_synced = True
+        finder = installed_finder()
+        if finder is None or not self.enabled():
+            return
+        missing = {m for rec in self.records.values() if self.enabled(rec) for m in rec.spec.modules} - finder.modules
+        if not missing:
+            return
+        finder.add(missing)
+        for rec in self.records.values():
+            if any(m in missing and m in sys.modules for m in rec.spec.modules):
+                self._evaluate(rec)
 
     def unapply(self, ids: Iterable[str] | None = None) -> None:
         for rec in self._select(ids):
@@ -218,7 +248,7 @@ class Engine:
         skip = self._guard(rec)
         if skip is not None:
             for tr in rec.targets.values():
-                if tr.state != APPLIED:
+                if tr.state not in (APPLIED, FAILED):  # a failure keeps its cause until apply()
                     tr.state, tr.reason = SKIPPED, skip
             return
         # A reload puts a fresh original where our replacement was: patch it again.

@@ -3,7 +3,7 @@
 Checkpoints quantised with 128x128 blocks store each expert's weight as
 ``float8_e4m3fn`` of shape ``(N, K)`` with a float32 ``weight_scale_inv`` of
 shape ``(ceil(N/bn), ceil(K/bk))``.  The dense value is, by definition,
-:func:`reference_dequant` (``(w.float() * scale_expanded).to(bfloat16)``); the
+:func:`reference_dequant` (``(w.float() * scale_expanded).to(bfloat16)``, in :mod:`.fp8_format`); the
 functions here produce the same bits, faster and in bounded memory:
 
 * The torch path's fp8 -> float32 step uses the bit layout instead of torch's
@@ -61,6 +61,9 @@ from typing import Callable, Union
 
 import torch
 
+# One way: this module chooses and calls the native kernel; both take the format from the leaf.
+from drama3_patches.kernels import fp8_native
+from drama3_patches.kernels.fp8_format import BLOCK, expected_scale_shape, reference_dequant
 from drama3_patches.logger import init_logger
 
 logger = init_logger(__name__)
@@ -78,7 +81,6 @@ __all__ = [
     "reference_dequant",
 ]
 
-BLOCK = (128, 128)
 _HALF_BIAS_SHIFT = 256.0  # 2**(15 - 7): float16 exponent bias minus e4m3's
 _SIGN_AND_MAGNITUDE = -16512  # 0xBF80 as int16: sign bit 15 and bits 13..7
 _CHUNK_CHOICES = (256, 128, 64, 32, 16, 8)
@@ -92,20 +94,6 @@ KERNELS = ("auto", "native", "torch")
 _warned: set = set()
 
 ExpertSource = Union[MutableSequence, MutableMapping]
-
-
-def expected_scale_shape(weight_shape, block_size=BLOCK) -> tuple[int, int]:
-    n, k = weight_shape
-    bn, bk = block_size
-    return (-(-n // bn), -(-k // bk))
-
-
-def reference_dequant(weight: torch.Tensor, scale: torch.Tensor, block_size=BLOCK) -> torch.Tensor:
-    """The definition: ``(w.float() * scale_expanded).to(torch.bfloat16)`` (slow, memory hungry)."""
-    n, k = weight.shape
-    bn, bk = block_size
-    expanded = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (weight.float() * expanded).to(torch.bfloat16)
 
 
 def _warn_once(key: str, msg: str, *args) -> None:
@@ -157,8 +145,6 @@ def resolve_kernel(kernel: str | None = None) -> str:
         raise ValueError(f"kernel must be one of {KERNELS}, got {choice!r}")
     if choice == "torch":
         return "torch"
-    from drama3_patches.kernels import fp8_native
-
     if fp8_native.available():
         return "native"
     if choice == "native":
@@ -388,8 +374,6 @@ def dequant_block_fp8(
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or out.device.type != "cpu" or out.stride(-1) != 1:
         raise ValueError(f"{where}: out must be a CPU bfloat16 tensor of shape {shape} with contiguous rows")
     if _workers.kernel == "native":
-        from drama3_patches.kernels import fp8_native
-
         codes = weight.view(torch.uint8)
         if codes.stride(1) != 1:
             codes = codes.contiguous()

@@ -37,12 +37,13 @@ How it computes (one scale ``s`` per 128x128 block):
   once, at the end of the call.  Workers are capped so that their buffers stay
   within ``N*K`` bytes (half of one bfloat16 expert).
 
-Everything is checked against :func:`drama3_patches.kernels.fp8.reference_dequant`
+Everything is checked against :func:`drama3_patches.kernels.fp8_format.reference_dequant`
 right after loading (all 256 codes, scale extremes, both layouts); a mismatch
 disables this kernel with a warning and the torch-op path is used.
 
 Environment: ``DRAMA3_PATCHES_FP8_KERNEL=auto|native|torch`` (see
 ``drama3_patches.kernels.fp8``); the build's (cache folder, compiler) are in :mod:`.fp8_build`.
+Imports: :mod:`.fp8_format` and :mod:`.fp8_build`; :mod:`.fp8` imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import threading
 import torch
 
 from drama3_patches.kernels import fp8_build
-from drama3_patches.kernels.fp8 import expected_scale_shape, reference_dequant
+from drama3_patches.kernels.fp8_format import expected_scale_shape, reference_dequant
 from drama3_patches.logger import init_logger
 
 logger = init_logger(__name__)

@@ -9,6 +9,13 @@ and the caller's exclusions); ``build_runtime_env`` adds them to the actor's ``r
 (what Ray sets before the actor's interpreter starts, so the ``.pth`` line sees them);
 ``build_names`` adds their names to vLLM's copy list (Ray data parallel's engine-core
 ``runtime_env``, the V1 executor's after-start copy). Feature detection: ``needs_*``.
+
+The operator's runtime_env wins: a name it sets is never carried. That is a name in the
+``runtime_env`` handed in (V2 starts from a copy of ``parallel_config.ray_runtime_env``) or in
+the job's ``runtime_env`` (``ray.init(runtime_env=...)``, which vLLM also takes as
+``parallel_config.ray_runtime_env``). The second matters under the V1 executor: its actors get a
+``runtime_env`` of their own, which Ray merges over the job's name by name, the actor's value
+winning, and its after-start copy sets the driver's values in the workers.
 """
 
 from __future__ import annotations
@@ -41,11 +48,28 @@ def carried(environ: Mapping[str, str], exclude=()) -> dict:
     return {k: v for k, v in environ.items() if k.startswith(PREFIX) and k not in skip}
 
 
+def operator_names() -> set:
+    """Names the job's ``runtime_env`` sets (the driver's ``ray.init(runtime_env=...)``); empty
+    when this process has no Ray job. Ray gives them to every actor of the job unless the actor's
+    own ``runtime_env`` names them too."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return set()
+    try:
+        job = ray.get_runtime_context().runtime_env
+        env_vars = (job.to_dict() if hasattr(job, "to_dict") else dict(job or {})).get("env_vars") or {}
+    except Exception as exc:  # an older or newer Ray: carry as before, and say so
+        logger.warning("ray-actor-env: cannot read the job's runtime_env (%s: %s); the driver's DRAMA3_* "
+                       "values go to the actors even where it sets them", type(exc).__name__, exc)
+        return set()
+    return set(env_vars)
+
+
 def build_runtime_env(original):
     def update_runtime_env(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         runtime_env = args[0] if args else kwargs.get("runtime_env")
-        extra = carried(os.environ)
+        extra = carried(os.environ, operator_names())
         if extra and hasattr(runtime_env, "setdefault"):
             env_vars = runtime_env.setdefault("env_vars", {})
             for name, value in extra.items():
@@ -60,7 +84,7 @@ def build_names(original):
     def env_vars_to_copy(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         exclude = kwargs.get("exclude_vars", args[0] if args else None) or ()
-        names = carried(os.environ, exclude)
+        names = carried(os.environ, set(exclude) | operator_names())
         return result | set(names) if isinstance(result, set) else result
 
     return function_wrapper(original, env_vars_to_copy)

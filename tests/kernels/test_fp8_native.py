@@ -367,3 +367,19 @@ def test_a_fork_one_second_into_a_slow_build_does_not_deadlock_the_child(tmp_pat
     got = call(fork_one_second_into_a_slow_build, env={"CC": str(cc), "DRAMA3_PATCHES_CACHE_DIR": str(tmp_path / "c")},
                timeout=240)
     assert got == {"child": 0, "torch_at_import": True, "parent_loaded": True}
+
+
+
+def test_the_fp8_pair_imports_one_way():
+    """fp8 chooses and calls fp8_native; fp8_native needs only the format leaf and its build, not fp8.
+    (A ``python -c`` child: this test module itself imports fp8.)"""
+    from support.subproc import run_python
+
+    loaded = run_python("""
+        import sys
+        import drama3_patches.kernels.fp8_native
+        print(sorted(m for m in sys.modules if m.startswith("drama3_patches.kernels.fp8")))
+    """).stdout.strip()
+    assert loaded == str(["drama3_patches.kernels.fp8_build", "drama3_patches.kernels.fp8_format",
+                          "drama3_patches.kernels.fp8_native"])
+    assert k8.fp8_native is fp8_native and k8.reference_dequant is fp8_native.reference_dequant

@@ -114,3 +114,35 @@ def test_without_the_patch_the_runtime_env_has_no_drama3_variable():
     """The gap the patch closes, on the same vLLM: disabled, the driver's DRAMA3_* stay behind."""
     got = call(unpatched_runtime_env, env={**DRIVER, "DRAMA3_PATCHES": "0", "DRAMA3_PATCHES_TP_CHECK": "1"})
     assert not any(k.startswith("DRAMA3_") for k in got), got
+
+
+def under_an_operators_job_runtime_env(home: str) -> dict:
+    """The driver joins a local Ray job whose runtime_env (``ray.init``) sets one DRAMA3_* name,
+    then vLLM's names hand out the variables, as each executor calls them."""
+    import os
+
+    import ray
+
+    os.environ["HOME"] = home  # Ray's token file stays out of the user's home
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"DRAMA3_PATCHES_TP_CHECK": "0"}})
+    try:
+        return through_vllm_names()
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+def test_a_name_the_operators_job_runtime_env_sets_is_never_carried(tmp_path):
+    """ray.init(runtime_env={"env_vars": {"DRAMA3_PATCHES_TP_CHECK": "0"}}): Ray gives "0" to
+    every actor of the job unless the actor's own runtime_env sets the name, and the V1 executor's
+    after-start copy would set the driver's "1" in its workers. So neither route carries it; the
+    rest still go."""
+    pytest.importorskip("ray", reason="ray is a test dependency (pip install -e '.[test]')")
+    got = call(under_an_operators_job_runtime_env, str(tmp_path),
+               env={**DRIVER, "RAY_USAGE_STATS_ENABLED": "0"}, timeout=240)
+    assert got["state"] == "applied", got
+    assert got["v1"] == {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "cpu"}
+    assert got["v2"] == {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu"}
+    assert got["v1_names"] == ["DRAMA3_PATCHES", "DRAMA3_PATCHES_PLATFORM"]
+    assert got["dp"] == ["DRAMA3_PATCHES", "DRAMA3_PATCHES_PLATFORM"]
