@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from support.replicas import needs_fish_omni
 from support.subproc import call
 
-pytestmark = pytest.mark.vllm  # the host check wants vLLM and vLLM-Omni installed and paired
+# validate's host check wants vLLM and a vLLM-Omni with Drama 3 (0.32.0rc1), paired
+pytestmark = [pytest.mark.vllm, needs_fish_omni]
 
 FAKE_VLLM = """\
 #!/bin/sh
