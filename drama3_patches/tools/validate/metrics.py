@@ -41,8 +41,10 @@ def total(samples: list[Sample], name: str, **labels) -> float:
     return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def fetch(url: str, timeout: float = 30, limit: int = MAX_PAGE_BYTES) -> str:
-    """``url``'s body as text, at most ``limit`` bytes (ValueError beyond, OSError when it cannot be read)."""
+def fetch(url: str, timeout: float = 30, limit: int | None = None) -> str:
+    """``url``'s body as text, at most ``limit`` bytes (default ``MAX_PAGE_BYTES``; ValueError beyond,
+    OSError when it cannot be read)."""
+    limit = MAX_PAGE_BYTES if limit is None else limit
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         if resp.status != 200:
             raise OSError(f"{url}: HTTP {resp.status}")
