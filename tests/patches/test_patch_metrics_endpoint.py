@@ -308,3 +308,34 @@ def test_the_collector_loads_only_when_vllm_builds_its_app():
     got = call(loaded_around_the_call, env=ENABLED, timeout=120)
     assert got == {"prometheus_before_vllm": False, "applied": "applied", "collector_before_call": False,
                    "collector_after_call": True}
+
+
+
+@pytest.mark.forked  # the collector builds this process's engine
+def test_the_dashboard_and_the_alert_rules_query_only_series_and_labels_the_collector_exports():
+    """docs/grafana: every drama3_patches_ series a panel or rule names, and every label it matches
+    on, is one the collector's own samples have (a renamed series would leave a panel empty)."""
+    import re
+
+    import yaml
+
+    from drama3_patches.metrics import PatchCollector
+    from support.subproc import ROOT
+
+    exported: dict = {}
+    for family in PatchCollector().collect():
+        for sample in family.samples:
+            exported.setdefault(sample.name, set()).update(sample.labels)
+    dashboard = json.loads((ROOT / "docs/grafana/drama3-patches.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
+    rules = yaml.safe_load((ROOT / "docs/grafana/drama3-patches-alerts.yaml").read_text())
+    exprs += [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    used = 0
+    for expr in exprs:
+        for name, selector in re.findall(r"(drama3_patches_\w+)(?:\{([^}]*)\})?", expr):
+            assert name in exported, (name, expr)
+            keys = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector))
+            assert keys <= exported[name], (name, keys, expr)
+            used += 1
+    assert used >= 10 and "Drama3PatchFailed" in {r["alert"] for g in rules["groups"] for r in g["rules"]}
