@@ -66,10 +66,15 @@ def _plant(reports: str, victim_pid: int, here: str) -> dict:
     """Files beside the real reports, each made from a real report (the killed process's)."""
     import shutil
     import subprocess
+    import time
+
+    from drama3_patches.report_dir import START_SLACK_S
 
     real = os.path.join(reports, f"{here}-{victim_pid}.json")
     data = json.loads(open(real).read())
-    # Processes that started after that report was written, holding the pids two reports name.
+    # Processes that started after that report was written, holding the pids two reports name;
+    # clearly after: a start within report_dir.START_SLACK_S of the write counts as the writer's.
+    time.sleep(5 * START_SLACK_S)
     sleepers = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
     reused = dict(data, pid=sleepers[0].pid)  # records the writer's start: another process has the pid
     old_format = dict(data, pid=sleepers[1].pid, process={k: v for k, v in data["process"].items()
