@@ -8,6 +8,7 @@ prometheus_client's ``generate_latest`` from a registry holding the collector:
 
   first    a new collector (empty cache): every file read, checked and parsed
   cached   the same collector again: files unchanged since, only listed, stat'ed, checked for life
+  collect  of which the collector's own part (``collect()``; the rest is prometheus_client's text)
 
 and, as the reference, the page of prometheus_client's default collectors alone (process, GC,
 platform: what vLLM's page has before any engine series). Medians of interleaved rounds.
@@ -105,7 +106,7 @@ def main() -> int:
             write_report(get_engine())
             template = json.loads((base / "own" / f"{host_label()}-{os.getpid()}.json").read_text())
             folders = {n: _folder(base, n, template, sleepers) for n in SIZES}
-            times = {(n, what): [] for n in SIZES for what in ("first", "cached")}
+            times = {(n, what): [] for n in SIZES for what in ("first", "cached", "collect")}
             times[("default", "page")] = []
             pages = {}
             warm = {}
@@ -122,6 +123,8 @@ def main() -> int:
                     times[(n, "first")].append(t)
                     t, _ = _timed(lambda: generate_latest(_registry(warm[n])))
                     times[(n, "cached")].append(t)
+                    t, _ = _timed(lambda: list(warm[n].collect()))
+                    times[(n, "collect")].append(t)
                 if (r + 1) % 10 == 0:
                     print(f"  {r + 1}/{args.rounds} rounds", file=sys.stderr)
     finally:
@@ -131,17 +134,18 @@ def main() -> int:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     base_ms = med[("default", "page")]
     print(f"python {sys.version.split()[0]}, {args.rounds} interleaved rounds; medians")
-    print(f"{'reports':>8} {'first ms':>9} {'cached ms':>10} {'first/cached':>13} {'cached/default':>15} "
-          f"{'our series':>11} {'our bytes':>10}")
+    print(f"{'reports':>8} {'first ms':>9} {'cached ms':>10} {'collect ms':>11} {'first/cached':>13} "
+          f"{'cached/default':>15} {'our series':>11} {'our bytes':>10}")
     for n in SIZES:
         text = pages[n].decode()
         ours = [ln for ln in text.splitlines() if ln.startswith("drama3_patches_")]
         live = next(ln for ln in ours if ln.startswith('drama3_patches_reports{status="live"}'))
         assert float(live.split()[-1]) == n + 1, f"not every report was live: {live}"
-        print(f"{n:>8} {med[(n, 'first')]:>9.2f} {med[(n, 'cached')]:>10.2f} "
+        print(f"{n:>8} {med[(n, 'first')]:>9.2f} {med[(n, 'cached')]:>10.2f} {med[(n, 'collect')]:>11.2f} "
               f"{med[(n, 'first')] / med[(n, 'cached')]:>12.2f}x {med[(n, 'cached')] / base_ms:>14.2f}x "
               f"{len(ours):>11} {sum(len(ln) + 1 for ln in ours):>10}")
-    print(f"{'default':>8} {base_ms:>9.2f} {'':>10} {'':>13} {'1.00x':>15}   (process, GC, platform collectors)")
+    print(f"{'default':>8} {base_ms:>9.2f} {'':>10} {'':>11} {'':>13} {'1.00x':>15}   "
+          "(process, GC, platform collectors)")
     return 0
 
 
