@@ -153,6 +153,7 @@ FLUSH_DELAY_S = 0.5
 EVENTS = ("preemptions", "resumes", "resumes_verified", "tp_steps_checked")
 _counters: dict[str, int] = {}
 _counter_lock = threading.Lock()
+_flush_lock = threading.Lock()
 _flush_timer: threading.Timer | None = None
 _exit_flush_pid = 0  # the process whose exit already flushes its counts (see _flush_at_exit)
 # Before multiprocessing's own default-priority (0) finalizers and the join of this process's
@@ -201,19 +202,23 @@ def counters() -> dict[str, int]:
 
 
 def flush_counts() -> None:
-    """Write the report now if a counter changed since the last write (the timer's and exit's job)."""
-    global _flush_timer
-    with _counter_lock:
-        pending, _flush_timer = _flush_timer, None
-    if pending is None:
-        return
-    pending.cancel()
-    try:
-        from drama3_patches.engine import get_engine
+    """Write the report now if a counter changed since the last write (the timer's and exit's job).
 
-        write_report(get_engine())
-    except Exception as exc:  # a report is never worth a crash of the serving process
-        env.warn_once("report-counts", f"cannot write the runtime counts to the status report: {exc}")
+    One flush at a time: the exit's flush waits for the timer's when it is writing (the timer
+    thread is a daemon, so an exit that did not wait would end it half way and lose its counts)."""
+    global _flush_timer
+    with _flush_lock:
+        with _counter_lock:
+            pending, _flush_timer = _flush_timer, None
+        if pending is None:
+            return
+        pending.cancel()
+        try:
+            from drama3_patches.engine import get_engine
+
+            write_report(get_engine())
+        except Exception as exc:  # a report is never worth a crash of the serving process
+            env.warn_once("report-counts", f"cannot write the runtime counts to the status report: {exc}")
 
 
 atexit.register(flush_counts)
@@ -224,9 +229,10 @@ _report_lock = threading.Lock()
 def _new_report_lock() -> None:
     # A fork while another thread writes would leave the child's copy held forever; the child is
     # another process, so it starts its own counts.
-    global _report_lock, _counter_lock, _flush_timer
+    global _report_lock, _counter_lock, _flush_lock, _flush_timer
     _report_lock = threading.Lock()
     _counter_lock = threading.Lock()
+    _flush_lock = threading.Lock()
     _flush_timer = None
     _counters.clear()
 

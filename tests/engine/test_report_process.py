@@ -33,6 +33,13 @@ def test_a_multiprocessing_childs_last_counts_reach_its_report(enabled, method):
     assert counts == {EVENT: 5}
 
 
+def test_a_child_that_ends_while_the_flush_timer_writes_waits_for_that_write(enabled):
+    """The timer thread is a daemon: os._exit would end it half way through its write. The exit
+    flush waits for it (the write is slowed by a second, so the child returns inside it)."""
+    counts = call(multiprocessing_child, "fork", 3, True, **enabled, timeout=120)
+    assert counts == {EVENT: 3}
+
+
 @pytest.mark.parametrize("how, written", [("sys.exit", True), ("flush-then-os._exit", True), ("os._exit", False)])
 def test_a_plain_fork_child_keeps_its_counts_unless_it_ends_by_os_exit_unflushed(enabled, how, written):
     """An os.fork() child outside multiprocessing: sys.exit runs atexit (the counts are written);

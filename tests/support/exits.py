@@ -24,6 +24,26 @@ def count_and_return(n: int) -> None:
     state.count(EVENT, n)
 
 
+def count_and_return_while_the_timer_writes(n: int) -> None:
+    """Count, then return while the flush timer is writing the report: a slow disk, made here by a
+    writer that waits a second before the engine's own write."""
+    import time
+
+    import d3p_target  # noqa: F401
+
+    from drama3_patches.engine import state
+
+    real = state.write_report
+
+    def slow(engine):
+        time.sleep(1.0)
+        real(engine)
+
+    state.write_report = slow
+    state.count(EVENT, n)
+    time.sleep(state.FLUSH_DELAY_S + 0.3)  # the timer has fired and is inside the slow write
+
+
 def report_counts(reports: str, pid: int) -> dict | None:
     """The counts of process ``pid``'s report, None when it wrote none."""
     from drama3_patches.engine.state import host_label
@@ -35,11 +55,14 @@ def report_counts(reports: str, pid: int) -> dict | None:
         return json.load(fh).get("counts")
 
 
-def multiprocessing_child(method: str, n: int) -> dict | None:
-    """The counts a multiprocessing child of start method ``method`` left in its report."""
+def multiprocessing_child(method: str, n: int, during_write: bool = False) -> dict | None:
+    """The counts a multiprocessing child of start method ``method`` left in its report (with
+    ``during_write``, it ends while the flush timer is writing)."""
     import multiprocessing
 
-    from support.exits import count_and_return as target
+    from support.exits import count_and_return, count_and_return_while_the_timer_writes
+
+    target = count_and_return_while_the_timer_writes if during_write else count_and_return
 
     ctx = multiprocessing.get_context(method)
     child = ctx.Process(target=target, args=(n,))
