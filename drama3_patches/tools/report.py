@@ -125,6 +125,10 @@ def render_collected(c: Collected, directory: str) -> str:
         hosts[host].append(str(proc["pid"]))
         argv = proc.get("argv") or []
         what = printable(" ".join(argv))[:60] if argv else "?"
+        ident = proc.get("process") or {}
+        if ident.get("role"):  # validated by the reader: text and whole numbers
+            where = "".join(f" {k} {ident[k]}" for k in ("stage", "rank") if ident.get(k) is not None)
+            what = f"{printable(ident['role'])}{where}, ppid {ident.get('ppid', '?')}: {what}"
         pid = "  " + str(proc["pid"]) + _liveness(proc, here)
         for p in proc["patches"]:
             rows.append([pid, printable(proc.get("platform", "?")), printable(p["id"]), printable(p["state"]),
