@@ -10,7 +10,9 @@ named by the manifest's ``implementation`` field::
 are not patched yet.  ``plan`` returns ``{target: replacement}`` for the ones it
 changes; the engine installs them all or none, records the originals, and
 restores them on ``unapply``.  A target left out of the dict is reported
-``not-needed`` (with the reason given to ``ctx.leave``).  Raising
+``not-needed`` (with the reason given to ``ctx.leave``), or ``skipped`` when
+``ctx.skip`` gave the reason (the target is there, but this process is not one
+the patch serves).  Raising
 :class:`NotNeeded` marks every target of this call ``not-needed``: that is how
 feature detection says "the upstream fix is already there".
 
@@ -34,6 +36,7 @@ _logger = init_logger(__name__)
 __all__ = [
     "NotNeeded",
     "PatchContext",
+    "Skip",
     "accepts",
     "accepts_var_keyword",
     "call_accepting",
@@ -50,6 +53,10 @@ __all__ = [
 
 class NotNeeded(Exception):
     """Raised by ``plan`` when feature detection finds the upstream fix."""
+
+
+class Skip(str):
+    """A reason given to :meth:`PatchContext.skip`: the state room reports its target ``skipped``."""
 
 
 @dataclass
@@ -83,6 +90,11 @@ class PatchContext:
     def leave(self, target: str, reason: str) -> None:
         """Say why ``target`` is left as it is (reported as ``not-needed``)."""
         self.left[target] = reason
+
+    def skip(self, target: str, reason: str) -> None:
+        """Leave ``target`` as it is because this process is not one the patch serves (reported
+        ``skipped`` with ``reason``, not ``not-needed``: no upstream fix was found)."""
+        self.left[target] = Skip(reason)
 
 
 def wrap(original: Callable, *, signature: inspect.Signature | None = None):

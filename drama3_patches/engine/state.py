@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 from drama3_patches import env
 from drama3_patches.manifest import Manifest, PatchSpec, Target
+from drama3_patches.patchlib import Skip
 
 PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED = "pending", "applied", "skipped", "not-needed", "failed"
 STATES = (PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED)
@@ -81,6 +83,11 @@ def fingerprint(rec: PatchRecord) -> tuple:
 def settle(rec: PatchRecord) -> None:
     """Derive the patch's state from its targets'."""
     trs = list(rec.targets.values())
+    for t in trs:
+        # A plan that found its target present but this process not the one to patch
+        # (``PatchContext.skip``): the engine files what a plan leaves as not-needed.
+        if t.state == NOT_NEEDED and isinstance(t.reason, Skip):
+            t.state = SKIPPED
     states = [t.state for t in trs]
     # A target that failed for its own cause speaks for the patch before one failed alongside it.
     ordered = sorted(trs, key=lambda t: t.reason.startswith(ALONGSIDE))
@@ -142,20 +149,51 @@ def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[
 # ran is seen as 0 rather than taken as passed. Writing the report on every step would put file
 # I/O on the serving path: an increment schedules one write FLUSH_DELAY_S later instead.
 FLUSH_DELAY_S = 0.5
+# The counters the patches keep (count()'s names): the only event names anything exports.
+EVENTS = ("preemptions", "resumes", "resumes_verified", "tp_steps_checked")
 _counters: dict[str, int] = {}
 _counter_lock = threading.Lock()
+_flush_lock = threading.Lock()
 _flush_timer: threading.Timer | None = None
+_exit_flush_pid = 0  # the process whose exit already flushes its counts (see _flush_at_exit)
+# Before multiprocessing's own default-priority (0) finalizers and the join of this process's
+# children in util._exit_function: the counts are written even if a child's join hangs.
+EXIT_PRIORITY = 100
 
 
 def count(name: str, n: int = 1) -> None:
-    """Add ``n`` to this process's counter ``name``; the report shows it within FLUSH_DELAY_S."""
+    """Add ``n`` to this process's counter ``name``; the report shows it within FLUSH_DELAY_S,
+    and at the latest when the process ends (normal exit, however it was started)."""
     global _flush_timer
     with _counter_lock:
         _counters[name] = _counters.get(name, 0) + n
         if _flush_timer is None and os.environ.get(env.REPORT_DIR):
+            _flush_at_exit()
             _flush_timer = threading.Timer(FLUSH_DELAY_S, flush_counts)
             _flush_timer.daemon = True
             _flush_timer.start()
+
+
+def _flush_at_exit() -> None:
+    """Make sure this process writes its pending counts when it ends.
+
+    ``atexit`` covers an interpreter that ends normally (a ``vllm serve`` main process, a spawn
+    child, which leaves through ``sys.exit``). A multiprocessing child started by fork or
+    forkserver (vLLM's workers and engine cores, on CPU and wherever vLLM keeps fork) leaves
+    through ``os._exit`` after its ``run()``, which skips ``atexit``; on the way it runs
+    ``multiprocessing.util._exit_function``, which calls the finalizers registered in that
+    process. Its bootstrap clears the finalizers a fork inherited, so the finalizer is
+    registered here, in the process that counts, once per process (pid). A plain ``os.fork()``
+    child that ends with ``os._exit`` runs neither: nothing can (``flush_counts()`` before it does).
+    """
+    global _exit_flush_pid
+    pid = os.getpid()
+    if _exit_flush_pid == pid:
+        return
+    _exit_flush_pid = pid
+    util = sys.modules.get("multiprocessing.util")  # loaded in every multiprocessing child
+    if util is not None:
+        util.Finalize(None, flush_counts, exitpriority=EXIT_PRIORITY)
 
 
 def counters() -> dict[str, int]:
@@ -164,19 +202,23 @@ def counters() -> dict[str, int]:
 
 
 def flush_counts() -> None:
-    """Write the report now if a counter changed since the last write (the timer's and exit's job)."""
-    global _flush_timer
-    with _counter_lock:
-        pending, _flush_timer = _flush_timer, None
-    if pending is None:
-        return
-    pending.cancel()
-    try:
-        from drama3_patches.engine import get_engine
+    """Write the report now if a counter changed since the last write (the timer's and exit's job).
 
-        write_report(get_engine())
-    except Exception as exc:  # a report is never worth a crash of the serving process
-        env.warn_once("report-counts", f"cannot write the runtime counts to the status report: {exc}")
+    One flush at a time: the exit's flush waits for the timer's when it is writing (the timer
+    thread is a daemon, so an exit that did not wait would end it half way and lose its counts)."""
+    global _flush_timer
+    with _flush_lock:
+        with _counter_lock:
+            pending, _flush_timer = _flush_timer, None
+        if pending is None:
+            return
+        pending.cancel()
+        try:
+            from drama3_patches.engine import get_engine
+
+            write_report(get_engine())
+        except Exception as exc:  # a report is never worth a crash of the serving process
+            env.warn_once("report-counts", f"cannot write the runtime counts to the status report: {exc}")
 
 
 atexit.register(flush_counts)
@@ -187,9 +229,10 @@ _report_lock = threading.Lock()
 def _new_report_lock() -> None:
     # A fork while another thread writes would leave the child's copy held forever; the child is
     # another process, so it starts its own counts.
-    global _report_lock, _counter_lock, _flush_timer
+    global _report_lock, _counter_lock, _flush_lock, _flush_timer
     _report_lock = threading.Lock()
     _counter_lock = threading.Lock()
+    _flush_lock = threading.Lock()
     _flush_timer = None
     _counters.clear()
 
@@ -259,6 +302,78 @@ def host_label() -> str:
     return label or "unknown"
 
 
+# What a process is, in a fixed enumeration (the labels /metrics exports): the names vLLM and
+# vLLM-Omni give their processes (multiprocessing's process name, vLLM's log prefix).
+ROLES = ("api-server", "engine-core", "worker", "other")
+_NAMED_ROLES = (
+    # (pattern, role, what its number is)
+    (re.compile(r"(?:APIServer|ApiServer)(?:_\d+)?$"), "api-server", None),
+    (re.compile(r"StageEngineCoreProc_stage(\d+)_replica\d+(?:_DP\d+)?$"), "engine-core", "stage"),
+    (re.compile(r"EngineCore(?:_DP\d+)?$"), "engine-core", None),
+    (re.compile(r"VllmWorker-(\d+)$"), "worker", "rank"),
+    (re.compile(r"DiffusionWorker-(\d+)$"), "worker", "rank"),
+    (re.compile(r"Worker(?:_[A-Z]+\d+)*$"), "worker", None),
+)
+
+
+def vllm_process_name() -> str | None:
+    """The name vLLM's log lines give this process (``APIServer``, ``Worker_TP1``), when vLLM set
+    one here; read from the loaded module, never by importing vLLM."""
+    info = getattr(sys.modules.get("vllm.logger"), "_vllm_process_info", None)
+    if isinstance(info, tuple) and len(info) == 2 and info[1] == os.getpid() and isinstance(info[0], str):
+        return info[0]
+    return None
+
+
+def _parallel_rank() -> int | None:
+    """This process's rank in vLLM's world group, once vLLM initialised it here (a worker, or an
+    engine core that runs its worker in-process); read from the loaded module, never imported."""
+    group = getattr(sys.modules.get("vllm.distributed.parallel_state"), "_WORLD", None)
+    rank = getattr(group, "rank_in_group", None)
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None where
+    that cannot be read. A pid and its start tell one process apart from a later one of the same pid."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            raw = fh.read(4096)
+        # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last.
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_identity() -> dict:
+    """What this process is: multiprocessing's name for it, vLLM's log name, its parent pid, and
+    the role, stage and rank those names say (None where they say nothing; a worker's stage is its
+    engine core's, found through the parent pid by the reader)."""
+    mp = sys.modules.get("multiprocessing.process")
+    try:
+        name = mp.current_process().name if mp is not None else "MainProcess"
+    except Exception:  # a half-torn-down multiprocessing at exit
+        name = "MainProcess"
+    vllm_name = vllm_process_name()
+    role, stage, rank = "other", None, None
+    for candidate in (name, vllm_name):
+        for pattern, what, number in _NAMED_ROLES:
+            match = pattern.match(candidate or "")
+            if match:
+                role = what
+                if number == "stage":
+                    stage = int(match.group(1))
+                elif number == "rank":
+                    rank = int(match.group(1))
+                break
+        if role != "other":
+            break
+    if rank is None and role != "api-server":
+        rank = _parallel_rank()
+    return {"name": name, "vllm_name": vllm_name, "ppid": os.getppid(), "role": role, "stage": stage,
+            "rank": rank, "start_ticks": start_ticks(os.getpid())}
+
+
 def write_report(engine) -> None:
     """Write ``$DRAMA3_PATCHES_REPORT_DIR/<host>-<pid>.json`` (atomically, mode 0600) if the variable is set.
 
@@ -274,6 +389,7 @@ def write_report(engine) -> None:
         try:
             data = engine.snapshot()
             data["argv"] = redacted_argv(sys.argv)
+            data["process"] = process_identity()
             data["written_at"] = time.time()
             host = host_label()
             data["host"] = host

@@ -21,9 +21,9 @@ CONTRACT_IDS = [
     "tower-sampler-eager", "preemption-host-copy", "fp8-expert-method",
 ]
 # Added for the published fish_omni (its GDN swap is CUDA-only; its tensor-parallel refusal and
-# whole-head tower) and for Ray actors on several nodes; beyond the original contract.
+# whole-head tower), for Ray actors on several nodes and for /metrics; beyond the original contract.
 EXTRA_IDS = ["gdn-backbone-ascend", "fish-omni-tensor-parallel", "fish-omni-tp-frames-check",
-             "fish-omni-tower-tp-split", "ray-actor-env"]
+             "fish-omni-tower-tp-split", "ray-actor-env", "metrics-endpoint"]
 
 
 def test_shipped_manifest_is_valid_and_has_the_contract_ids():
