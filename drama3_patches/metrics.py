@@ -40,7 +40,6 @@ OTHER = "other"  # an id, state, role or platform outside the known set
 MAX_STAGE = 1000
 MAX_RANK = 1 << 20
 # A worker's stage is its engine core's: followed up the parent pids this far.
-PARENT_HOPS = 3
 
 
 def _number(value, limit: int) -> str:
@@ -130,7 +129,9 @@ class PatchCollector:
         else:
             procs += self._from_folder(directory, here, statuses, kinds)
         statuses["live"] = len(procs)
-        procs = _inherit_stages(procs)
+        from drama3_patches.report_dir import inherit_stages
+
+        procs = inherit_stages(procs)
 
         families = self._families()
         out = {what: family for family, what in families}
@@ -194,27 +195,6 @@ class PatchCollector:
             if status == "live":
                 out.append(proc)
         return out
-
-
-def _inherit_stages(procs: list) -> list:
-    """``procs``, where a process that knows no stage takes its nearest ancestor's (a vLLM worker is
-    started by its stage's engine core, whose name carries the stage). The reports themselves (the
-    reader's cache holds them) are not changed: a changed one is a copy."""
-    by_pid = {p["pid"]: p for p in procs}
-    out = []
-    for proc in procs:
-        ident = proc.get("process")
-        parent = by_pid.get(ident.get("ppid")) if isinstance(ident, dict) and ident.get("stage") is None else None
-        for _ in range(PARENT_HOPS):
-            if parent is None:
-                break
-            stage = (parent.get("process") or {}).get("stage")
-            if stage is not None:
-                proc = {**proc, "process": {**ident, "stage": stage}}
-                break
-            parent = by_pid.get((parent.get("process") or {}).get("ppid"))
-        out.append(proc)
-    return out
 
 
 _REGISTERED: PatchCollector | None = None

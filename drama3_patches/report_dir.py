@@ -304,3 +304,27 @@ def liveness(proc: dict, here: str) -> str:
         if started is not None and started > written + START_SLACK_S:
             return "gone"
     return "live"
+
+
+PARENT_HOPS = 3  # a worker, its engine core, (at most) one process between
+
+
+def inherit_stages(procs: list) -> list:
+    """``procs``, where a process that knows no stage takes its nearest ancestor's (a vLLM worker is
+    started by its stage's engine core, whose name carries the stage). The reports themselves (the
+    reader's cache holds them) are not changed: a changed one is a copy."""
+    by_pid = {p["pid"]: p for p in procs}
+    out = []
+    for proc in procs:
+        ident = proc.get("process")
+        parent = by_pid.get(ident.get("ppid")) if isinstance(ident, dict) and ident.get("stage") is None else None
+        for _ in range(PARENT_HOPS):
+            if parent is None:
+                break
+            stage = (parent.get("process") or {}).get("stage")
+            if stage is not None:
+                proc = {**proc, "process": {**ident, "stage": stage}}
+                break
+            parent = by_pid.get((parent.get("process") or {}).get("ppid"))
+        out.append(proc)
+    return out

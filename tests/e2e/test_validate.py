@@ -88,6 +88,24 @@ def test_validate_writes_the_audio_in_whole_frames_and_a_passing_markdown_report
     assert (out / "server.log").stat().st_size > 0 and (out / "deploy.yaml").is_file()
 
 
+def test_validate_saves_metrics_whose_patch_series_agree_with_its_report(tp2):
+    from drama3_patches.tools.validate.metrics import parse, total
+
+    out, done, report, checks = tp2
+    s = parse((out / "metrics.txt").read_text())
+    for rank in ("0", "1"):
+        assert total(s, "drama3_patches_patch_state", patch="preemption-host-copy", state="applied", role="worker",
+                     stage="0", rank=rank) == 1
+        # each rank counts every preemption of phase c (and any later one)
+        assert total(s, "drama3_patches_events_total", event="preemptions", role="worker", stage="0",
+                     rank=rank) >= report["counts"]["preemptions"] > 0
+    # the page's preemptions are the processes' own counts, summed over the ranks
+    assert total(s, "drama3_patches_events_total", event="preemptions") == \
+        sum(p["counts"].get("preemptions", 0) for p in report["processes"])
+    assert total(s, "drama3_patches_patch_state", state="failed") == 0
+    assert total(s, "drama3_patches_reports", status="live") == len(report["processes"])
+
+
 def test_validate_stops_every_server_process_and_leaves_the_host_facts(tp2):
     out, done, report, checks = tp2
     stop = report["server_stop"]

@@ -339,3 +339,25 @@ def test_the_host_check_names_the_first_problem_and_its_fix():
                                        "which is not installed"]
     assert preflight.problems(False, installed=versions.get, vllm_command=lambda: "vllm",
                               find_spec=lambda m: None) == []
+
+
+def test_a_process_role_is_what_its_report_says_else_what_the_log_told(tmp_path):
+    from drama3_patches.engine.state import host_label
+
+    here = host_label()
+    reports = tmp_path / "reports"
+    idents = {
+        201: {"role": "engine-core", "stage": 1, "rank": None, "ppid": 1},
+        202: {"role": "worker", "stage": None, "rank": 0, "ppid": 201},  # its stage: its engine core's
+        203: {"role": "other", "stage": None, "rank": None, "ppid": 1},
+    }
+    for pid, ident in idents.items():
+        _report(reports, here, pid, 2000.0)
+        path = reports / f"{here}-{pid}.json"
+        data = json.loads(path.read_text())
+        data["process"] = {"name": "x", "vllm_name": None, "start_ticks": 1, **ident}
+        path.write_text(json.dumps(data))
+    log_roles = {201: "engine-core stage 0", 202: "worker stage ?", 203: "worker stage 0 rank 1"}
+    procs, notes = evidence.processes(str(reports), log_roles, since=1500.0, host=here)
+    assert {p.pid: p.role for p in procs} == {201: "engine-core stage 1", 202: "worker stage 1 rank 0",
+                                              203: "worker stage 0 rank 1"}, notes

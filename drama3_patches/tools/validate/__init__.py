@@ -299,6 +299,7 @@ class _Context:
     say: object
     since: float  # the run's start (time.time()): reports last written before it are an earlier run's
     host: str
+    url: str = ""  # the server's, once started
 
     def roles(self) -> dict:
         return self.scan.role_map(multi_rank_stage=0 if self.tp > 1 else None)
@@ -318,7 +319,7 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
     from drama3_patches.tools.validate import phases, server
 
     args, run_, out, say, scan = ctx.args, ctx.run, ctx.out, ctx.say, ctx.scan
-    url = f"http://127.0.0.1:{port}"
+    url = ctx.url = f"http://127.0.0.1:{port}"
 
     def tick(waited: float) -> None:
         scan.poll()
@@ -370,6 +371,13 @@ def _judge(ctx: _Context, srv) -> None:
 
     run_, scan = ctx.run, ctx.scan
     counts = ctx.counts() if srv is not None else dict.fromkeys(evidence.COUNTERS, 0)
+    if run_.ready and srv.poll() is None:
+        # what the patches' series said on vLLM's own /metrics, kept beside the report
+        from drama3_patches.tools.validate import metrics
+
+        scraped = metrics.save(ctx.url, ctx.out)
+        if "error" in scraped:
+            run_.notes.append(f"/metrics not saved: {scraped['error']}")
     scan.poll()
     scan.finish()
     procs, skipped = evidence.processes(str(ctx.reports), ctx.roles(), ctx.since, ctx.host)

@@ -2,7 +2,8 @@
 
 Reports are read through ``tools.report.collect`` (regular files of this user or root, bounded,
 checked field by field) and only those of this run count: written on this host, after the run
-began; roles come from the server's log (``logscan.Roles``).
+began; a process's role is what its report says it is (``engine.state.process_identity``), else
+what the server's log told (``logscan.Roles``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def processes(report_dir: str, roles: dict, since: float | None = None,
 
     if not os.path.isdir(report_dir):  # no process enabled the patches, so none made the folder
         return [], []
+    from drama3_patches.report_dir import inherit_stages
+
     collected = report.collect(report_dir)
     out, notes = [], []
-    for data in collected.processes:
+    for data in inherit_stages(collected.processes):
         written = data.get("written_at")
         if host is not None and data.get("host") != host:
             notes.append(f"pid {data['pid']}: a report of host {data.get('host')!r}, not this one ({host})")
@@ -49,12 +52,26 @@ def processes(report_dir: str, roles: dict, since: float | None = None,
             continue
         counts = data.get("counts") if isinstance(data.get("counts"), dict) else {}
         out.append(Process(
-            pid=data["pid"], role=roles.get(data["pid"], "other (no log prefix)"), enabled=bool(data.get("enabled")),
+            pid=data["pid"], role=_role(data, roles.get(data["pid"])), enabled=bool(data.get("enabled")),
             states={p["id"]: p["state"] for p in data["patches"]},
             counts={k: v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)},
         ))
     notes = [f"{path}: {why}" for path, why in collected.skipped] + list(collected.notes) + notes
     return out, notes
+
+
+def _role(data: dict, from_log: str | None) -> str:
+    """The process's role: what its own report says it is (its names, its engine core's stage),
+    else what the log's prefixes and loading lines told."""
+    ident = data.get("process") if isinstance(data.get("process"), dict) else {}
+    role, stage, rank = ident.get("role"), ident.get("stage"), ident.get("rank")
+    if role == "api-server":
+        return role
+    if role == "engine-core" and stage is not None:
+        return f"engine-core stage {stage}"
+    if role == "worker" and stage is not None:
+        return f"worker stage {stage} rank {rank or 0}"
+    return from_log or "other (no log prefix)"
 
 
 def stage0_count(procs: list[Process], name: str) -> int:
