@@ -91,6 +91,16 @@ class PatchContext:
         """Say why ``target`` is left as it is (reported as ``not-needed``)."""
         self.left[target] = reason
 
+    def callables(self, kind: str = "function"):
+        """``(target, original)`` for each target that is callable; any other is left not-needed
+        with the reason (what stands there is not a ``kind`` to wrap)."""
+        for target in self.targets:
+            original = self.original(target)
+            if callable(original):
+                yield target, original
+            else:
+                self.leave(target, f"{target} is {type(original).__name__}, not a {kind}")
+
     def skip(self, target: str, reason: str) -> None:
         """Leave ``target`` as it is because this process is not one the patch serves (reported
         ``skipped`` with ``reason``, not ``not-needed``: no upstream fix was found)."""
@@ -134,11 +144,7 @@ def replace_where_needed(ctx: PatchContext, needed: Callable[[Callable], bool],
     """
     companions = companions or {}
     replacements = {}
-    for target in ctx.targets:
-        original = ctx.original(target)
-        if not callable(original):
-            ctx.leave(target, f"{target} is {type(original).__name__}, not a {kind}")
-            continue
+    for target, original in ctx.callables(kind):
         if target in companions:
             replacements[target] = companions[target](original)
             continue

@@ -69,11 +69,7 @@ def build(original):
 
 def plan(ctx: PatchContext) -> dict:
     out = {}
-    for target in ctx.targets:
-        original = ctx.original(target)
-        if not callable(original):
-            ctx.leave(target, f"{target} is {type(original).__name__}, not a function")
-            continue
+    for target, original in ctx.callables():
         if multiprocess_mode():
             warn_multiprocess()
             ctx.skip(target, MULTIPROC_REASON)

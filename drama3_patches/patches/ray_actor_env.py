@@ -111,11 +111,7 @@ def needs_names() -> bool:
 
 def plan(ctx: PatchContext) -> dict:
     out = {}
-    for target in ctx.targets:
-        original = ctx.original(target)
-        if not callable(original):
-            ctx.leave(target, f"{target} is {type(original).__name__}, not a function")
-            continue
+    for target, original in ctx.callables():
         if target == RUNTIME_ENV:
             try:
                 needed = needs_runtime_env(original)
