@@ -25,5 +25,8 @@ def test_prometheus_client_and_the_collector_are_not_imported_at_interpreter_sta
     """, env={"DRAMA3_PATCHES": "1"}).stdout
     got = json.loads(out.splitlines()[-1])
     assert got["watched"], "the trigger does not watch vLLM's metrics module: the patch could never apply"
-    assert got["loaded"] == ["drama3_patches", "drama3_patches._bootstrap", "drama3_patches.env",
-                             "drama3_patches.reader"]
+    # the start-up hook's own modules only (the reader too when the manifest had to be scanned):
+    # nothing of prometheus_client, the collector or the engine
+    assert set(got["loaded"]) <= {"drama3_patches", "drama3_patches._bootstrap", "drama3_patches.env",
+                                  "drama3_patches.reader"}, got["loaded"]
+    assert {"drama3_patches", "drama3_patches._bootstrap"} <= set(got["loaded"]), got["loaded"]

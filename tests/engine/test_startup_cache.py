@@ -24,7 +24,7 @@ from support.subproc import ROOT, call
 
 T_TARGET = "d3p_target:greet"
 T_OTHER = "d3p_other:greet"
-GENERATED = 12  # entries added to the shipped manifest: twice today's count in all
+GENERATED = 12  # entries added to the shipped manifest: at least twice its 12 of the day in all
 
 
 def start_and_import(modules: list) -> dict:
@@ -115,7 +115,8 @@ def test_new_manifest_entries_are_picked_up_with_no_list_kept_by_hand(aged, tmp_
     from drama3_patches.manifest import load_manifest
 
     named = sorted({m for p in load_manifest(aged["generated"]).patches for m in p.modules})
-    assert len(load_manifest(aged["generated"]).patches) == 2 * GENERATED  # today's 12, and 12 more
+    shipped = len(load_manifest(ROOT / "patches_manifest.yaml").patches)
+    assert len(load_manifest(aged["generated"]).patches) == shipped + GENERATED >= 2 * 12  # the shipped, and 12 more
     cache = tmp_path / "cache"
     first = _start(aged, cache, [], _aged(aged["generated"]))
     second = _start(aged, cache, ["d3p_gen7"], aged["generated"])
