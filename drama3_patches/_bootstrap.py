@@ -182,8 +182,8 @@ def install_trigger(modules) -> TriggerFinder:
 
 
 def manifest_path() -> str:
-    """``env.manifest_path()``, without importing env: $DRAMA3_PATCHES_MANIFEST, the packaged
-    copy, or the source tree's."""
+    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's
+    (``env.manifest_path`` calls this; here it needs no import of env)."""
     override = os.environ.get(_MANIFEST)
     if override:
         return override

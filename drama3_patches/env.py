@@ -141,15 +141,11 @@ def platform_override() -> str | None:
 
 
 def manifest_path() -> str:
-    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's."""
-    override = os.environ.get(MANIFEST)
-    if override:
-        return override
-    here = os.path.dirname(os.path.abspath(__file__))
-    packaged = os.path.join(here, "patches_manifest.yaml")
-    if os.path.exists(packaged):
-        return packaged
-    return os.path.join(os.path.dirname(here), "patches_manifest.yaml")
+    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's.
+    The start-up hook's own (it cannot import this module on its common path)."""
+    from drama3_patches._bootstrap import manifest_path
+
+    return manifest_path()
 
 
 # Names that lived here before the reader had its own module; looked up only when asked for,

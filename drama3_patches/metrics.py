@@ -34,12 +34,10 @@ from drama3_patches.logger import init_logger
 
 logger = init_logger(__name__)
 
-PLATFORMS = ("npu", "cuda", "cpu")
 REPORT_STATUSES = ("live", "gone", "remote", "skipped", "folder-unset")
 OTHER = "other"  # an id, state, role or platform outside the known set
 MAX_STAGE = 1000
 MAX_RANK = 1 << 20
-# A worker's stage is its engine core's: followed up the parent pids this far.
 
 
 def _number(value, limit: int) -> str:
@@ -115,7 +113,7 @@ class PatchCollector:
     def _collect(self) -> list:
         from drama3_patches.engine import STATES, get_engine
         from drama3_patches.engine.state import EVENTS, ROLES, host_label
-        from drama3_patches.report_dir import SKIP_KINDS
+        from drama3_patches.report_dir import SKIP_KINDS, inherit_stages
 
         engine = get_engine()
         ids = set(engine.manifest.ids)
@@ -129,8 +127,6 @@ class PatchCollector:
         else:
             procs += self._from_folder(directory, here, statuses, kinds)
         statuses["live"] = len(procs)
-        from drama3_patches.report_dir import inherit_stages
-
         procs = inherit_stages(procs)
 
         families = self._families()
@@ -141,7 +137,7 @@ class PatchCollector:
             ident = proc.get("process") or {}
             role = ident.get("role") if ident.get("role") in ROLES else OTHER
             where = (role, _number(ident.get("stage"), MAX_STAGE), _number(ident.get("rank"), MAX_RANK), here)
-            platform = proc.get("platform") if proc.get("platform") in PLATFORMS else OTHER
+            platform = proc.get("platform") if proc.get("platform") in env.PLATFORMS else OTHER
             out["info"].add_metric([*where, str(proc["pid"]), platform,
                                     "true" if proc.get("enabled") is True else "false"], 1)
             for patch in proc["patches"]:

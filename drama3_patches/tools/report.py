@@ -9,18 +9,8 @@ from __future__ import annotations
 import textwrap
 
 # The folder's reader lives outside tools/ (the /metrics collector uses it in the API server);
-# its names stay importable from here for the commands.
-from drama3_patches.report_dir import (  # noqa: F401
-    HOST_MAX,
-    MAX_PATCHES,
-    MAX_REPORT_BYTES,
-    MAX_REPORT_FILES,
-    Collected,
-    collect,
-    liveness,
-    owner_name,
-    parse_name,
-)
+# ``collect`` stays importable from here for the commands.
+from drama3_patches.report_dir import Collected, collect, liveness  # noqa: F401 (collect)
 
 
 GIB = 1024 ** 3

@@ -280,16 +280,24 @@ def test_a_manifest_changed_within_the_last_second_is_not_cached(aged, tmp_path)
     assert not (cache / "startup-targets").exists()
 
 
+def test_the_manifest_in_force_is_the_variables_else_the_shipped_file(monkeypatch, tmp_path):
+    """One implementation (the hook's) serves env too: unset, it names an existing
+    patches_manifest.yaml; set, the variable's path as given."""
+    from drama3_patches import env
+
+    monkeypatch.delenv(env.MANIFEST, raising=False)
+    shipped = env.manifest_path()
+    assert os.path.basename(shipped) == "patches_manifest.yaml" and os.path.isfile(shipped)
+    monkeypatch.setenv(env.MANIFEST, str(tmp_path / "m.yaml"))
+    assert env.manifest_path() == str(tmp_path / "m.yaml")
+
+
 def test_the_hooks_copies_of_the_environment_contract_agree_with_env(monkeypatch, tmp_path):
     from drama3_patches import _bootstrap, env
     from drama3_patches.kernels import fp8_build
 
     assert (_bootstrap._ENABLE, _bootstrap._TRUE, _bootstrap._MANIFEST) == (env.ENABLE, env.TRUE, env.MANIFEST)
     assert _bootstrap._CACHE_DIR == fp8_build.CACHE_DIR_ENV
-    monkeypatch.delenv(env.MANIFEST, raising=False)
-    assert _bootstrap.manifest_path() == env.manifest_path()
-    monkeypatch.setenv(env.MANIFEST, str(tmp_path / "m.yaml"))
-    assert _bootstrap.manifest_path() == env.manifest_path()
     for variables in ({"HOME": str(tmp_path)}, {"XDG_CACHE_HOME": str(tmp_path / "x")},
                       {fp8_build.CACHE_DIR_ENV: str(tmp_path / "c")}):
         for name in ("HOME", "XDG_CACHE_HOME", fp8_build.CACHE_DIR_ENV):

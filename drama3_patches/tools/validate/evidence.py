@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from drama3_patches.engine.state import EVENTS
+
 # Runtime counters the patches keep per process (engine.state.count), read by the checks.
-COUNTERS = ("preemptions", "resumes", "resumes_verified", "tp_steps_checked")
+COUNTERS = EVENTS
 
 # Applied in every stage-0 worker of an Ascend deployment (and of the CPU rehearsal, whose
 # platform is forced to npu); the tensor-parallel pair too where stage 0 spans ranks.

@@ -103,7 +103,6 @@ class LogScan:
         self.path = path
         self.offset = 0
         self._partial = b""
-        self.lines = 0
         self.roles = Roles()
         self.captures: Counter = Counter()  # pid -> graph-capture records (INFO/DEBUG or unlevelled)
         self.bad_count = 0
@@ -156,7 +155,6 @@ class LogScan:
 
     def _line(self, raw: bytes) -> None:
         line = _ANSI.sub("", raw[:MAX_LINE].decode("utf-8", "replace")).rstrip("\r")
-        self.lines += 1
         self.tail.append(line)
         match = _PREFIX.search(line)
         self.roles.feed(line, match)
@@ -173,6 +171,11 @@ class LogScan:
                 if len(self.bad_shown) < SHOWN_BAD:
                     self.bad_shown.append(f"{what}: {line.strip()[:300]}")
                 break
+
+    @property
+    def lines(self) -> int:
+        """Lines read so far (the matcher sees every one and numbers them)."""
+        return self.found.lines
 
     def role_map(self, multi_rank_stage: int | None = None) -> dict[int, str]:
         return self.roles.resolved(multi_rank_stage)
