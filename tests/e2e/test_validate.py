@@ -134,6 +134,8 @@ def test_validate_profiles_the_per_frame_time_and_reports_playout(tp2):
     md = (out / "report.md").read_text()
     assert "### Per-frame time (stage 0, concurrency 1)" in md and "| sum |" in md
     assert "cushion needed D p50" in checks["g"]["detail"]
+    # both levels, each with its requests' playout records (the loops below then check every one)
+    assert [len(lv["requests"]) for lv in report["bench"]] == [BENCH, BENCH]
     for lv in report["bench"]:
         assert lv["playout"]["streams"] >= 1
         for q in lv["requests"]:

@@ -160,12 +160,14 @@ def _prompt_rows(ids: list[int], seed: int) -> torch.Tensor:
     return rows
 
 
-def _build(vllm_config, device: str, decoder=None):
-    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
+def _build(vllm_config, device: str, decoder=None, cls=None):
+    """A model state (the published class, or ``cls``) over the slot-pool stand-in model."""
+    if cls is None:
+        from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState as cls
 
     prompts = {"A": _prompt_rows(A_PROMPT, 1), "B": _prompt_rows(B_PROMPT, 2), "C": _prompt_rows(B_PROMPT, 3)}
     model = SlotPoolModel(vllm_config, torch.device(device), prompts, decoder)
-    return FishOmniModelState(vllm_config, model, None, torch.device(device)), model
+    return cls(vllm_config, model, None, torch.device(device)), model
 
 
 def _request(req_id: str, prompt: list[int], generated: list[int] = ()):
@@ -561,7 +563,10 @@ def test_resume_check_verifies_the_resumed_history_and_names_a_corrupted_one(tmp
     _preempt(state, "A", 1)
     assert php.SlotReference.of(state._suspended["A"]) is None  # nothing kept without the check
     _admit(state, 1, _request("B", B_PROMPT))
+    b_frames = _frames(9, seed=8)
+    _generate(state, model, 1, b_frames)
     _admit(state, 3, _request("A", A_PROMPT, _frames(6, seed=3)[:, 0].tolist()))
+    _check_resumed(state, model, _frames(6, seed=3), b_frames)
     assert _resume_counts() == {"preemptions": 3, "resumes": 3, "resumes_verified": 1}
 
 
@@ -579,12 +584,6 @@ def _wrong_slot_state_class():
     WrongSlotPark.on_request_preempted = php.build(WrongSlotPark.__dict__["on_request_preempted"])
     WrongSlotPark.add_request = php.build_resume(FishOmniModelState.__dict__["add_request"])
     return WrongSlotPark
-
-
-def _build_as(cls, vllm_config, device: str):
-    prompts = {"A": _prompt_rows(A_PROMPT, 1), "B": _prompt_rows(B_PROMPT, 2), "C": _prompt_rows(B_PROMPT, 3)}
-    model = SlotPoolModel(vllm_config, torch.device(device), prompts)
-    return cls(vllm_config, model, None, torch.device(device)), model
 
 
 def _wrong_slot_scenario(state, model):
@@ -612,7 +611,7 @@ def test_a_park_that_reads_the_wrong_slot_fails_the_resume_check(tmp_path, monke
     vllm_config = _vllm_config(tmp_path)
     monkeypatch.setenv("DRAMA3_PATCHES_RESUME_CHECK", "1")
 
-    state, model = _build_as(_wrong_slot_state_class(), vllm_config, "npu")
+    state, model = _build(vllm_config, "npu", cls=_wrong_slot_state_class())
     with pytest.raises(php.ResumedHistoryMismatch, match=r"request A: resumed with 6 frames .* from frame 0 on"):
         _wrong_slot_scenario(state, model)
     assert _resume_counts() == {"preemptions": 1, "resumes": 1, "resumes_verified": 0}

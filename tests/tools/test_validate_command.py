@@ -235,6 +235,14 @@ SIGNATURE_LOGS = {
         "(APIServer pid=11) ERROR 12-04 [async_llm.py:1] vllm.v1.engine.exceptions.EngineDeadError: EngineCore "
         "encountered an issue."],
 }
+# Which line of each excerpt the diagnosis must quote (1-based; the first where not listed): the
+# refusal's own line, not the engine's note before it; the error code, with aclnnInplaceCopy as
+# its context; the allocation, after the expert-loading frames.
+NAMED_LINE = {"tensor parallel refused": 2, "fp8 copy on the card": 2, "out of memory at expert load": 3}
+
+
+def test_every_known_failure_signature_has_an_excerpt_here():
+    assert set(SIGNATURE_LOGS) == {sig.name for sig in diagnose.SIGNATURES}
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURE_LOGS))
@@ -242,8 +250,8 @@ def test_each_known_failure_signature_is_named_with_its_cause_and_fix(name):
     scan = _scan("\n".join(["(APIServer pid=11) INFO 12-04 [a.py:1] starting", *SIGNATURE_LOGS[name]]) + "\n")
     likely = scan.found.likely()
     assert likely is not None and likely.signature.name == name, [f.signature.name for f in scan.found.all()]
-    assert likely.at == 1 + next(i for i, line in enumerate(SIGNATURE_LOGS[name], 1)
-                                 if likely.signature.pattern.search(line))
+    assert likely.at == 1 + NAMED_LINE.get(name, 1)  # after the excerpt's one INFO line
+    assert likely.line == SIGNATURE_LOGS[name][NAMED_LINE.get(name, 1) - 1].strip()[:400]
     failed = verdict.Check("c. preemption and resume", False, "1 preemption(s)")
     text = "\n".join(diagnose.explain(failed, scan.found))
     assert text.startswith("First failing row: **c. preemption and resume**")
