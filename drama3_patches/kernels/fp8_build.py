@@ -60,12 +60,12 @@ class UnsafeCache(OSError):
 
 
 def _cache_dir() -> tuple[Path, bool]:
-    """The cache folder, and whether $DRAMA3_PATCHES_CACHE_DIR named it."""
-    explicit = os.environ.get(CACHE_DIR_ENV)
-    if explicit:
-        return Path(explicit), True
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "drama3_patches", False
+    """The cache folder, and whether $DRAMA3_PATCHES_CACHE_DIR named it: the start-up hook's folder
+    (``_bootstrap.cache_dir``); without $HOME, the password database's home (a build may read it)."""
+    from drama3_patches._bootstrap import cache_dir
+
+    folder = cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "drama3_patches")
+    return Path(folder), bool(os.environ.get(CACHE_DIR_ENV))
 
 
 def _check_private(st: os.stat_result, what: str) -> None:

@@ -292,17 +292,36 @@ def test_the_manifest_in_force_is_the_variables_else_the_shipped_file(monkeypatc
     assert env.manifest_path() == str(tmp_path / "m.yaml")
 
 
-def test_the_hooks_copies_of_the_environment_contract_agree_with_env(monkeypatch, tmp_path):
+def test_the_hooks_copies_of_the_environment_contract_agree_with_env():
     from drama3_patches import _bootstrap, env
     from drama3_patches.kernels import fp8_build
 
     assert (_bootstrap._ENABLE, _bootstrap._TRUE, _bootstrap._MANIFEST) == (env.ENABLE, env.TRUE, env.MANIFEST)
     assert _bootstrap._CACHE_DIR == fp8_build.CACHE_DIR_ENV
-    for variables in ({"HOME": str(tmp_path)}, {"XDG_CACHE_HOME": str(tmp_path / "x")},
-                      {fp8_build.CACHE_DIR_ENV: str(tmp_path / "c")}):
-        for name in ("HOME", "XDG_CACHE_HOME", fp8_build.CACHE_DIR_ENV):
+
+
+def test_the_cache_folder_is_the_variables_else_xdgs_else_homes_for_the_hook_and_the_kernel(monkeypatch, tmp_path):
+    """One folder for the start-up list and the native fp8 kernel: $DRAMA3_PATCHES_CACHE_DIR (named
+    explicitly), else $XDG_CACHE_HOME/drama3_patches, else $HOME/.cache/drama3_patches; with
+    neither, the hook keeps none and the kernel's build asks the password database."""
+    from drama3_patches import _bootstrap
+    from drama3_patches.kernels import fp8_build
+
+    home = tmp_path / "home"
+    cases = (({}, home / ".cache" / "drama3_patches", False),
+             ({"XDG_CACHE_HOME": str(tmp_path / "x")}, tmp_path / "x" / "drama3_patches", False),
+             ({"DRAMA3_PATCHES_CACHE_DIR": str(tmp_path / "c")}, tmp_path / "c", True))
+    for variables, folder, explicit in cases:
+        for name in ("HOME", "XDG_CACHE_HOME", "DRAMA3_PATCHES_CACHE_DIR"):
             monkeypatch.delenv(name, raising=False)
-        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("HOME", str(home))
         for name, value in variables.items():
             monkeypatch.setenv(name, value)
-        assert _bootstrap.cache_dir() == str(fp8_build._cache_dir()[0]), variables
+        assert _bootstrap.cache_dir() == str(folder), variables
+        assert fp8_build._cache_dir() == (folder, explicit), variables
+    for name in ("HOME", "XDG_CACHE_HOME", "DRAMA3_PATCHES_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert _bootstrap.cache_dir() is None
+    import pwd
+
+    assert fp8_build._cache_dir() == (Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "drama3_patches", False)
