@@ -99,8 +99,9 @@ def main() -> int:
         print(f"building the wheel of {args.project} and two scratch environments ...", file=sys.stderr)
         bare, installed = _make_envs(Path(tmp), args.project.resolve())
         manifest = Path(tmp) / "doubled.yaml"
-        manifest.write_text(doubled_manifest((args.project / "patches_manifest.yaml").read_text()))
-        entries = sum(1 for ln in manifest.read_text().splitlines() if ID_LINE.match(ln))
+        text = doubled_manifest((args.project / "patches_manifest.yaml").read_text())
+        manifest.write_text(text)
+        entries = sum(1 for ln in text.splitlines() if ID_LINE.match(ln))
         base_env = {"PATH": "/usr/bin:/bin", "DRAMA3_PATCHES_CACHE_DIR": str(Path(tmp) / "cache")}
         doubled = {**base_env, "DRAMA3_PATCHES_MANIFEST": str(manifest)}
         cases = {
@@ -116,6 +117,9 @@ def main() -> int:
             for python, env in cases.values():
                 _once(python, env)
         sources = {k: _probe(*cases[k]) for k in ("enabled", "enabled-2x")}
+        idle = [k for k, found in sources.items() if found.startswith("not activated")]
+        if idle:  # the enabled cases would time a start that patches nothing
+            raise SystemExit(f"the .pth line did not activate the package in the {' and '.join(idle)} case(s)")
         ours = _ours_at_start(*cases["enabled"])
         for r in range(args.rounds):
             for name, (python, env) in cases.items():

@@ -145,4 +145,5 @@ def test_a_name_the_operators_job_runtime_env_sets_is_never_carried(tmp_path):
     assert got["v1"] == {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "cpu"}
     assert got["v2"] == {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_PLATFORM": "npu"}
     assert got["v1_names"] == ["DRAMA3_PATCHES", "DRAMA3_PATCHES_PLATFORM"]
+    # the data-parallel call excludes that name itself: this line only shows the rest still go
     assert got["dp"] == ["DRAMA3_PATCHES", "DRAMA3_PATCHES_PLATFORM"]
