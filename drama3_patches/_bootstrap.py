@@ -266,6 +266,37 @@ def _key(st: os.stat_result) -> str:
     return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
 
 
+def replace_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Put ``data`` at ``name`` in the folder ``dir_fd``, whole or not at all: written to a new
+    file of random name (created exclusively, never through a link, mode 0600), then renamed over
+    ``name``. A name already taken (planted or left over) is never reused; the temporary file
+    goes on any failure. The status reports are written this way too (``engine.state``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(16):
+        tmp = f".{os.getpid()}.{os.urandom(8).hex()}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError("no free temporary name in the folder")
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+
+
 def _from_cache(path: str) -> list[str] | None:
     """The target modules cached for the manifest at ``path`` as it is now; None when there is no
     such entry, or on any doubt (then the caller scans)."""
@@ -311,19 +342,7 @@ def _store(path: str, st: os.stat_result, modules: list[str]) -> None:
             data = "\n".join([CACHE_HEADER, *entries, ""]).encode()
             if len(data) > CACHE_MAX_BYTES:
                 return
-            tmp = f".{CACHE_NAME}.{os.getpid()}.{os.urandom(4).hex()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_READ, 0o600, dir_fd=dir_fd)
-            try:
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                finally:
-                    os.close(fd)
-                os.replace(tmp, CACHE_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException:
-                os.unlink(tmp, dir_fd=dir_fd)
-                raise
+            replace_file(dir_fd, CACHE_NAME, data)
         finally:
             os.close(dir_fd)
     except Exception:  # a read-only home, a full disk, a folder not ours: the next start scans again

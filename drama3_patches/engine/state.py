@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drama3_patches import env
+from drama3_patches._bootstrap import replace_file
 from drama3_patches.manifest import Manifest, PatchSpec, Target
 from drama3_patches.patchlib import Skip
 
@@ -396,27 +397,7 @@ def write_report(engine) -> None:
             text = json.dumps(data, indent=1, sort_keys=True).encode("utf-8")
             dir_fd = _report_dir_fd(directory)
             try:
-                name = f"{host}-{os.getpid()}.json"
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-                for _ in range(16):  # a name taken (planted or left over) is never reused: draw again
-                    tmp = f".{os.getpid()}.{os.urandom(8).hex()}.tmp"
-                    try:
-                        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-                        break
-                    except FileExistsError:
-                        continue
-                else:
-                    raise FileExistsError("no free temporary name in the folder")
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(text)
-                    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                except BaseException:
-                    try:
-                        os.unlink(tmp, dir_fd=dir_fd)
-                    except OSError:
-                        pass
-                    raise
+                replace_file(dir_fd, f"{host}-{os.getpid()}.json", text)
             finally:
                 os.close(dir_fd)
         except OSError as exc:
