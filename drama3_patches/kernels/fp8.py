@@ -64,7 +64,7 @@ import torch
 # One way: this module chooses and calls the native kernel; both take the format from the leaf.
 from drama3_patches.kernels import fp8_native
 from drama3_patches.kernels.fp8_format import BLOCK, expected_scale_shape, reference_dequant
-from drama3_patches.logger import init_logger
+from drama3_patches.logger import init_logger, warning_once
 
 logger = init_logger(__name__)
 
@@ -91,15 +91,7 @@ _MAX_DEFAULT_THREADS = 8  # the expansion is memory bound well before this many 
 THREADS_ENV = "DRAMA3_PATCHES_FP8_THREADS"
 KERNEL_ENV = "DRAMA3_PATCHES_FP8_KERNEL"
 KERNELS = ("auto", "native", "torch")
-_warned: set = set()
-
 ExpertSource = Union[MutableSequence, MutableMapping]
-
-
-def _warn_once(key: str, msg: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(msg, *args)
 
 
 def _env_threads() -> int | None:
@@ -113,7 +105,7 @@ def _env_threads() -> int | None:
         value = 0
     if value >= 1:
         return value
-    _warn_once(THREADS_ENV, "%s=%r is not a positive integer; using the default", THREADS_ENV, raw)
+    warning_once(logger, THREADS_ENV, "%s=%r is not a positive integer; using the default", THREADS_ENV, raw)
     return None
 
 
@@ -139,7 +131,8 @@ def resolve_kernel(kernel: str | None = None) -> str:
     if choice is None:
         choice = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
         if choice not in KERNELS:
-            _warn_once(KERNEL_ENV, "%s=%r is not one of %s; using auto", KERNEL_ENV, choice, "/".join(KERNELS))
+            warning_once(logger, KERNEL_ENV, "%s=%r is not one of %s; using auto", KERNEL_ENV, choice,
+                         "/".join(KERNELS))
             choice = "auto"
     elif choice not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {choice!r}")

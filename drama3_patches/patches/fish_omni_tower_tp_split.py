@@ -23,13 +23,12 @@ from types import SimpleNamespace
 import torch
 
 from drama3_patches.kernels.tensor_parallel import HeadSplit, head_split, output_columns, qkv_gate_rows
-from drama3_patches.logger import init_logger
+from drama3_patches.logger import init_logger, warning_once
 from drama3_patches.patchlib import PatchContext, function_wrapper, replace_where_needed
 
 logger = init_logger(__name__)
 
 SPLIT_ATTR = "tp_split"  # the HeadSplit of a split layer (absent on a whole one)
-_warned: set[str] = set()  # the head-split refusals already logged in this process
 
 
 class RowParallelOut(torch.nn.Linear):
@@ -87,9 +86,9 @@ def build(original):
         try:
             split = head_split(config.n_head, config.n_local_heads, size, rank)
         except ValueError as exc:
-            if str(exc) not in _warned:  # every layer of the tower has the same heads: one line, not one per layer
-                _warned.add(str(exc))
-                logger.warning("fish-omni-tower-tp-split: %s; the tower's layers keep every head on every rank", exc)
+            # every layer of the tower has the same heads: one line, not one per layer
+            warning_once(logger, str(exc), "fish-omni-tower-tp-split: %s; the tower's layers keep every head on "
+                         "every rank", exc)
             return wrapped(*args, **kwargs)
         bound.arguments["config"] = local_config(config, split)
         result = wrapped(*bound.args[1:], **bound.kwargs)

@@ -17,9 +17,8 @@ registered.
 from __future__ import annotations
 
 import os
-import threading
 
-from drama3_patches.logger import init_logger
+from drama3_patches.logger import init_logger, warning_once
 from drama3_patches.patchlib import PatchContext, function_wrapper
 
 logger = init_logger(__name__)
@@ -30,10 +29,6 @@ MULTIPROC_REASON = (f"{MULTIPROC} is set (vLLM does so for more than one API ser
                     "reads only its multiprocess collector, so the patches' series are not exported; "
                     "read the process reports with `drama3-patches status --collect DIR` instead")
 
-_warned = False
-_warn_lock = threading.Lock()
-
-
 def multiprocess_mode() -> bool:
     """vLLM's own test in ``vllm/v1/metrics/prometheus.py:get_prometheus_registry``."""
     return os.getenv(MULTIPROC) is not None
@@ -41,12 +36,7 @@ def multiprocess_mode() -> bool:
 
 def warn_multiprocess() -> None:
     """One warning per process, whether the plan or a call found the variable."""
-    global _warned
-    with _warn_lock:
-        if _warned:
-            return
-        _warned = True
-    logger.warning("drama3-patches: metrics-endpoint: %s", MULTIPROC_REASON)
+    warning_once(logger, MULTIPROC, "drama3-patches: metrics-endpoint: %s", MULTIPROC_REASON)
 
 
 def build(original):

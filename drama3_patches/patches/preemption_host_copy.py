@@ -30,7 +30,7 @@ import torch
 
 from drama3_patches import env
 from drama3_patches.engine import state
-from drama3_patches.logger import init_logger
+from drama3_patches.logger import init_logger, warning_once
 from drama3_patches.patchlib import PatchContext, function_wrapper, replace_where_needed
 
 logger = init_logger(__name__)
@@ -152,14 +152,9 @@ def build(original):
     return function_wrapper(original, on_request_preempted)
 
 
-_warned_unverified = False
-
-
 def _warn_unverified(why: str) -> None:
-    global _warned_unverified
-    if not _warned_unverified:
-        _warned_unverified = True
-        logger.warning("preemption-host-copy: %s; resumed frames are not verified (%s)", why, env.RESUME_CHECK)
+    warning_once(logger, "unverified", "preemption-host-copy: %s; resumed frames are not verified (%s)", why,
+                 env.RESUME_CHECK)
 
 
 def build_resume(original):

@@ -18,6 +18,7 @@ from support.tiers import TORCH_ABSENT
 torch = pytest.importorskip("torch", reason=TORCH_ABSENT)
 from drama3_patches.kernels import fp8 as k8  # noqa: E402
 from drama3_patches.kernels import fp8_build, fp8_native  # noqa: E402
+from drama3_patches import logger as logger_mod  # noqa: E402  (one-shot warnings: reset per test)
 
 needs_cc = pytest.mark.skipif(fp8_build._compiler() is None, reason="no C compiler here")
 
@@ -137,7 +138,7 @@ def test_kernel_knob(monkeypatch, caplog):
     assert k8.resolve_kernel("torch") == "torch"
     with pytest.raises(ValueError, match="kernel must be one of"):
         k8.resolve_kernel("cuda")
-    monkeypatch.setattr(k8, "_warned", set())
+    monkeypatch.setattr(logger_mod, "_warned", set())
     monkeypatch.setenv(k8.KERNEL_ENV, "fastest")
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert k8.resolve_kernel() in ("native", "torch")  # auto
@@ -150,7 +151,7 @@ def test_threads_knob(monkeypatch, caplog):
     monkeypatch.delenv(k8.THREADS_ENV)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     assert k8.default_threads() == min(64, len(os.sched_getaffinity(0)), 8)
-    monkeypatch.setattr(k8, "_warned", set())
+    monkeypatch.setattr(logger_mod, "_warned", set())
     monkeypatch.setenv(k8.THREADS_ENV, "many")
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert k8.default_threads() >= 1

@@ -31,10 +31,11 @@ def test_unsplittable_heads_warn_once_per_process_not_per_layer(monkeypatch):
     import logging
     from types import SimpleNamespace
 
+    from drama3_patches import logger as logger_mod
     from drama3_patches.patches import fish_omni_tower_tp_split as split
 
     monkeypatch.setattr(split, "tp_rank_size", lambda: (0, 3))
-    monkeypatch.setattr(split, "_warned", set())
+    monkeypatch.setattr(logger_mod, "_warned", set())
     built = []
 
     class Layer:
