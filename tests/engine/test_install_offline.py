@@ -92,3 +92,20 @@ def test_installed_with_no_index_the_data_files_are_in_place(offline):
     off = subprocess.run([str(offline.python), "-c", code], capture_output=True, text=True, timeout=60, env=env,
                          cwd=offline.bin)
     assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False"), on.stderr + off.stderr
+
+
+def test_validate_on_a_bare_host_is_one_line_naming_the_missing_vllm_and_exit_2(offline, tmp_path):
+    """The package installed alone (its own dependencies, no vLLM, no vLLM-Omni): validate's host
+    check answers before anything starts: one line naming what is missing and the fix, exit 2, no
+    traceback, nothing written."""
+    out = tmp_path / "out"
+    done = subprocess.run([str(offline.bin / "drama3-patches"), "validate", "--profile", "910b-tp2-ep",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin"})
+    print(done.stderr)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert lines[0].startswith("drama3-patches validate: this host cannot run a validation: vLLM is not installed")
+    assert "fix: " in lines[0] and "vllm==" in lines[0]
+    assert not out.exists() or not any(out.iterdir())  # nothing was started or written

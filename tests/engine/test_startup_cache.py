@@ -94,6 +94,12 @@ def _start(aged, cache: Path, modules: list, manifest: Path | None = None, site:
     return got["result"]
 
 
+def _cache_name() -> str:
+    from drama3_patches import _bootstrap  # not at module level: the children import this module
+
+    return _bootstrap.CACHE_NAME
+
+
 SCANNED = ["drama3_patches", "drama3_patches._bootstrap", "drama3_patches.reader"]
 CACHED = ["drama3_patches", "drama3_patches._bootstrap"]
 
@@ -104,7 +110,7 @@ def test_the_first_start_caches_the_list_and_later_starts_use_it(aged, tmp_path)
     assert (first["from"], first["idle"], first["greet"]) == ("manifest", SCANNED, ["hello x! [patched]"])
     # The cache folder and file are this user's alone.
     assert cache.stat().st_mode & 0o777 == 0o700
-    assert (cache / "startup-targets").stat().st_mode & 0o777 == 0o600
+    assert (cache / _cache_name()).stat().st_mode & 0o777 == 0o600
     second = _start(aged, cache, ["d3p_target"], aged["target"])
     # Served from the cache: no reader, no scan; only the package and its start-up hook loaded.
     assert (second["from"], second["idle"], second["greet"]) == ("cache", CACHED, ["hello x! [patched]"])
@@ -277,7 +283,7 @@ def test_a_manifest_changed_within_the_last_second_is_not_cached(aged, tmp_path)
     os.utime(manifest, ns=(future, future))
     for _ in range(2):
         assert _start(aged, cache, ["d3p_target"], manifest)["from"] == "manifest"
-    assert not (cache / "startup-targets").exists()
+    assert not (cache / _cache_name()).exists()
 
 
 def test_the_manifest_in_force_is_the_variables_else_the_shipped_file(monkeypatch, tmp_path):

@@ -292,7 +292,7 @@ def test_on_an_npu_device_without_both_ops_the_detection_is_none(npu_device, mon
 
 # -- (d) the self-check --------------------------------------------------------------------------
 
-_NPU_FUSED_LOGGER = "vllm.drama3_patches.kernels.npu_fused"
+_NPU_FUSED_LOGGER = npu_fused.logger.name
 # what the warning says for each fault (after the op's name)
 _FAULT_WORDS = {"arity": "expected a tuple of", "shape": "of shape (1, ", "values": "differs from",
                 "raises": "raised RuntimeError: "}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -31,14 +30,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from drama3_patches.engine.state import STATES
 from drama3_patches.tools import build_parser
-from support.subproc import ROOT, child_env
+from support.subproc import ROOT, child_env, run_cli
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGE = ROOT / "drama3_patches"
@@ -344,8 +342,7 @@ def test_the_status_json_shape_in_design_has_the_keys_the_command_prints():
     shape = re.search(r"`status --json` shape: `(.*?)`\.", design, re.S)
     assert shape, "docs/design.md: no `status --json` shape"
     top, entry = _shape_keys(shape.group(1))
-    proc = subprocess.run([sys.executable, "-m", "drama3_patches.tools", "status", "--json"], env=child_env(),
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_cli("status", "--json", timeout=120)
     status = json.loads(proc.stdout)
     assert top == set(status), (sorted(set(status) - top), sorted(top - set(status)))
     assert entry <= set(status["patches"][0]) and {"id", "state", "reason"} <= entry
@@ -370,18 +367,14 @@ def _headers(markdown: str) -> list[str]:
     return [lines[i - 1] for i in range(1, len(lines)) if lines[i].startswith("| ---")]
 
 
-def _rendered_report() -> str:
+def _rendered_report(check_names: set[str]) -> str:
     """report.md as the code writes it for a passing TP2 run with every row and a note."""
-    from drama3_patches.tools.validate import verdict
+    from drama3_patches.tools.validate import deploy, verdict
 
-    given = dict(profile="PROFILE", model="MODEL", tp=2, ep=False, compiled=False,
-                 scale=SimpleNamespace(kv_blocks=1, max_model_len=1))
-    required = [f.name for f in dataclasses.fields(verdict.Run)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    assert set(required) <= set(given), f"verdict.Run needs {sorted(set(required) - set(given))}: extend this test"
-    run = verdict.Run(**{k: given[k] for k in required})
+    run = verdict.Run(profile="PROFILE", model="MODEL", tp=2, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=1, max_model_len=1, frames=1))
     run.notes, run.versions = ["NOTE"], dict.fromkeys(verdict.VERSIONED, "0")
-    for name in _check_names():
+    for name in check_names:
         run.checks[name.split(".")[0]] = verdict.Check(name, True, "detail")
     # the rehearsal profiles its per-frame time (attributed) and stops its server
     from drama3_patches.tools.validate import profile
@@ -413,10 +406,11 @@ def _string_starts(paths) -> list[str]:
 
 def test_the_example_validate_report_has_the_rows_tables_and_notes_the_code_writes():
     example = _example("validate-report")
-    code = _rendered_report()
+    names = _check_names()
+    code = _rendered_report(names)
     assert _headers(example) == _headers(code)
     check_table = [_cells(ln) for ln in example.splitlines() if ln.startswith("| ") and len(_cells(ln)) == 4][2:]
-    assert {cells[0] for cells in check_table} == _check_names()
+    assert {cells[0] for cells in check_table} == names
     assert all(cells[1] in ("pass", "**FAIL**", "n/a") for cells in check_table)
     for line in code.splitlines():
         if line and not line.startswith("|") and (stem := _stem(line)).strip(" -"):

@@ -269,10 +269,12 @@ def test_the_diagnosis_prefers_the_first_specific_cause_over_an_engine_that_died
     assert diagnose.explain(None, scan.found) == []
 
 
-def _report(folder, host, pid, written_at, states=None):
+def _report(folder, host, pid, written_at, states=None, process=None):
     folder.mkdir(exist_ok=True, mode=0o700)
     data = {"pid": pid, "host": host, "enabled": True, "written_at": written_at,
             "patches": [{"id": i, "state": s, "reason": ""} for i, s in (states or {}).items()]}
+    if process is not None:
+        data["process"] = process
     (folder / f"{host}-{pid}.json").write_text(json.dumps(data))
 
 
@@ -360,11 +362,7 @@ def test_a_process_role_is_what_its_report_says_else_what_the_log_told(tmp_path)
         203: {"role": "other", "stage": None, "rank": None, "ppid": 1},
     }
     for pid, ident in idents.items():
-        _report(reports, here, pid, 2000.0)
-        path = reports / f"{here}-{pid}.json"
-        data = json.loads(path.read_text())
-        data["process"] = {"name": "x", "vllm_name": None, "start_ticks": 1, **ident}
-        path.write_text(json.dumps(data))
+        _report(reports, here, pid, 2000.0, process={"name": "x", "vllm_name": None, "start_ticks": 1, **ident})
     log_roles = {201: "engine-core stage 0", 202: "worker stage ?", 203: "worker stage 0 rank 1"}
     procs, notes = evidence.processes(str(reports), log_roles, since=1500.0, host=here)
     assert {p.pid: p.role for p in procs} == {201: "engine-core stage 1", 202: "worker stage 1 rank 0",
