@@ -187,6 +187,13 @@ SKIPS = ("link", "not-regular", "too-large", "foreign-owner", "bad-name", "inval
 STATUSES = ("live", "gone", "remote", "skipped", "folder-unset")
 
 
+def _our_collectors() -> list:
+    """The drama3-patches collectors in prometheus_client's default registry."""
+    import prometheus_client
+
+    return [c for c in prometheus_client.REGISTRY._collector_to_names if type(c).__name__ == "PatchCollector"]
+
+
 def own_process_only() -> dict:
     return {**_scrape(_app()), "me": os.getpid()}
 
@@ -233,13 +240,12 @@ def test_a_collector_error_still_gives_the_page_with_vllms_series_and_counts_the
 
 
 def multiprocess_scrapes(set_late: bool) -> dict:
-    import prometheus_client
     from vllm.entrypoints.serve.instrumentator import metrics as vllm_metrics  # noqa: F401
 
     if set_late:  # after the patch applied: the wrapper decides at the call, as vLLM's registry does
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ["D3P_TEST_MULTIPROC"]
     pages = [_scrape(_app()), _scrape(_app())]
-    ours = [c for c in prometheus_client.REGISTRY._collector_to_names if type(c).__name__ == "PatchCollector"]
+    ours = _our_collectors()
     import sys
 
     return {"pages": pages, "row": _row("metrics-endpoint"), "registered": len(ours),
@@ -272,7 +278,6 @@ def test_multiprocess_mode_exports_nothing_and_warns_once(tmp_path, set_late):
 
 
 def twice() -> dict:
-    import prometheus_client
 
     import drama3_patches
     import drama3_patches.metrics as metrics
@@ -282,7 +287,7 @@ def twice() -> dict:
     drama3_patches.unapply(["metrics-endpoint"])
     drama3_patches.apply(["metrics-endpoint"])
     pages.append(_scrape(_app()))
-    ours = [c for c in prometheus_client.REGISTRY._collector_to_names if type(c).__name__ == "PatchCollector"]
+    ours = _our_collectors()
     return {"pages": pages, "registered": len(ours), "same": metrics.register() is first}
 
 
