@@ -2,8 +2,9 @@
 
 A report folder of N live processes (N = 12, a two-stage deployment's processes with room to
 spare, and 200): this process writes its real report through the engine, and each of N ``sleep``
-processes gets a copy naming its pid and start (as a worker, engine core or API server of some
-stage and rank), so that every report is live and exported. For each N the page is made by
+processes gets a copy naming its pid and start (as a worker or engine core of some stage and
+rank, or an unnamed process; the API server is this process), so that every report is live and
+exported. For each N the page is made by
 prometheus_client's ``generate_latest`` from a registry holding the collector:
 
   first    a new collector (empty cache): every file read, checked and parsed
@@ -34,7 +35,8 @@ SIZES = (12, 200)
 
 
 def _roles(n: int):
-    """A deployment's mix: engine cores and workers of two stages, an API server, some others."""
+    """A deployment's mix: engine cores and workers of two stages, some others (the API server is
+    the scraping process itself)."""
     for i in range(n):
         kind = i % 6
         if kind == 0:
