@@ -72,11 +72,18 @@ def doctor() -> str:
     return scrub(out, private_paths())
 
 
-def plan(recipe: str) -> str:
+def plan_argv(recipe: str) -> list[str] | None:
+    """The recipe's ``drama3-patches plan DIR ...`` command line (its arguments from ``plan`` on,
+    a trailing comment left out), whose output is the plan example; None when there is none.
+    tests/tools/test_docs.py runs the same line."""
     found = re.search(r"^ +drama3-patches (plan DIR [^\n#]*)", recipe, re.M)
-    if not found:
+    return shlex.split(found.group(1)) if found else None
+
+
+def plan(recipe: str) -> str:
+    argv = plan_argv(recipe)
+    if argv is None:
         sys.exit("refresh_examples: docs/recipe.md has no `drama3-patches plan DIR ...` line for the example")
-    argv = shlex.split(found.group(1))
     with tempfile.TemporaryDirectory() as tmp:
         # DIR itself, so the output names the checkpoint as the command line does
         run([sys.executable, ROOT / "tests" / "support" / "checkpoints.py", Path(tmp) / "DIR"],

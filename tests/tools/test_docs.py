@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -441,9 +442,11 @@ def test_the_example_plan_output_has_every_line_plan_prints(tmp_path, capsys):
     from drama3_patches.tools.tiny_model import DRAMA3_CFG, write_fish_checkpoint
 
     write_fish_checkpoint(tmp_path / "DIR", DRAMA3_CFG, shards=4, sparse=True)
-    command = re.search(r"drama3-patches (plan DIR [^\n]*)\n", _text(ROOT / "docs" / "recipe.md"))
-    assert command, "docs/recipe.md: no `drama3-patches plan DIR ...` line above the example"
-    argv = shlex.split(command.group(1))
+    spec = importlib.util.spec_from_file_location("refresh_examples_under_test", ROOT / "docs" / "refresh_examples.py")
+    refresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(refresh)
+    argv = refresh.plan_argv(_text(ROOT / "docs" / "recipe.md"))  # the line the example was made from
+    assert argv, "docs/recipe.md: no `drama3-patches plan DIR ...` line above the example"
     argv[1] = str(tmp_path / "DIR")
     main([*argv, "--quiet"])
     printed = {_plan_stem(ln) for ln in capsys.readouterr().out.splitlines() if ln.strip()}
