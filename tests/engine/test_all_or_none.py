@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 
-from support.selftest import manifest_text, write_dist, write_target
+from support.selftest import write_dist, write_manifest, write_target
 from support.subproc import call
 
 FUNC = "def f(x='x'):\n    return 'f ' + x\n\n\ndef broken(x='x'):\n    return 'broken ' + x\n"
@@ -78,8 +78,7 @@ def outcomes(tmp_path_factory):
             write_target(root, m, FUNC)
         entries.append({"id": pid, "targets": targets})
         cases.append([pid, [modules[i] for i in order], targets])
-    manifest = root / "manifest.yaml"
-    manifest.write_text(manifest_text(*entries))
+    manifest = write_manifest(root, *entries)
     env = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_MANIFEST": str(manifest)}
     return call(every_order, cases, env=env, pythonpath=[root])
 
@@ -120,9 +119,8 @@ def test_a_failed_patch_is_re_planned_whole_by_apply_only(tmp_path):
     write_target(tmp_path)
     write_target(tmp_path, "d3p_second", "def other():\n    return 'other'\n")
     write_dist(tmp_path, "d3p-upstream", "0.32.0rc1")
-    manifest = tmp_path / "manifest.yaml"
-    manifest.write_text(manifest_text({"targets": ["d3p_target:greet", "d3p_second:gone"],
-                                       "requires": '{d3p-upstream: ">=0.32.0rc1,<0.33"}'}))
+    manifest = write_manifest(tmp_path, {"targets": ["d3p_target:greet", "d3p_second:gone"],
+                                         "requires": '{d3p-upstream: ">=0.32.0rc1,<0.33"}'})
     # d3p_second is imported first: its drift fails the patch before d3p_target is imported.
     env = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_MANIFEST": str(manifest)}
     assert call(fix_then_apply, env=env, pythonpath=[tmp_path]) == [
