@@ -46,6 +46,15 @@ def test_validate_passes_every_check_on_the_cards(tmp_path):
         assert counts["tp_steps_checked"] > 0, counts
     assert counts["requests_completed"] > 0, counts
     assert report["server_stop"]["left"] == [], report["server_stop"]
+    # vLLM's /metrics on the cards: every stage-0 rank's preemption-host-copy applied, no patch failed
+    from drama3_patches.tools.validate.metrics import parse, total
+
+    s = parse((tmp_path / "validate" / "metrics.txt").read_text())
+    for rank in range(report["stage0"]["tensor_parallel_size"]):
+        assert total(s, "drama3_patches_patch_state", patch="preemption-host-copy", state="applied", role="worker",
+                     stage="0", rank=str(rank)) == 1, rank
+    assert total(s, "drama3_patches_patch_state", state="failed") == 0
+    assert total(s, "drama3_patches_reports", status="live") == len(report["processes"])
 
 
 def test_on_the_cards_a_park_of_the_wrong_slot_fails_the_preemption_row_for_that_reason(tmp_path):
