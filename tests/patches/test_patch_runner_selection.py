@@ -22,7 +22,7 @@ import pytest
 
 from drama3_patches.tools.deploy_config import profiles
 from support.logs import captured
-from support.replicas import ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths
+from support.replicas import ASCEND_030RC2, ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths
 from support.subproc import call
 
 pytestmark = pytest.mark.vllm
@@ -212,7 +212,7 @@ def _run(child, paths, args=(), **env) -> dict:
                 env=npu_env(**env), pythonpath=paths)
 
 
-@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
+@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_030RC2, ASCEND_032])
 def result(request):
     return request.param, _run(selection_child, profile_paths(request.param), [list(PROFILES)])
 
