@@ -24,6 +24,7 @@ from drama3_patches.engine.state import (
     APPLIED,
     FAILED,
     NOT_NEEDED,
+    PATCHED_NOTE,
     PENDING,
     SKIPPED,
     PatchRecord,
@@ -334,6 +335,8 @@ class Engine:
                 tr.state = NOT_NEEDED
                 tr.reason = ctx.left.get(t, "the patch found nothing to change here")
         for tr in done:
+            if ctx.notes.get(tr.target.spec):
+                tr.reason = f"{PATCHED_NOTE}{ctx.notes[tr.target.spec]}"
             self._installer.rebind_aliases(tr)
             logger.info("drama3-patches: %s applied to %s", spec.id, tr.target.spec)
 

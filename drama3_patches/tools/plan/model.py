@@ -650,6 +650,13 @@ def make_plan(ckpt: Checkpoint, opts: Options, sums: dict | None = None) -> Plan
         "card_bytes": card.memory_bytes, "dense_fp8": sums["dense_fp8"],
         "disk_read_per_rank": disk_read, "disk_read_filtered": filtered,
     }
+    if fp8_experts and not card.mxfp8:
+        from drama3_patches.tools.plan import fp8_routes
+
+        routes = fp8_routes.route_peaks(ckpt, shape, efrac, dense + other)
+        if routes:
+            routes["route"], routes["why"] = fp8_routes.choose(routes, budget)
+            plan.figures["fp8_routes"] = routes
     if fish:
         plan.figures.update({"head": head, "tower": tower, "dac_encoder": dac_encoder, "model_buffers": buffers,
                              "kv_per_token_tower": kv_tower, "tower_split": split, "tower_kv_heads": tower_kv_heads})
