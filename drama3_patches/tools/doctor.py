@@ -181,6 +181,22 @@ def check_versions(manifest, installed, provider=None) -> list[Check]:
     return checks
 
 
+def check_reviewed(manifest, installed) -> list[Check]:
+    """Whether the installed vLLM / vLLM-Omni lie inside some patch's reviewed range: outside every
+    one, every patch steps aside and the deployment fails further on with nothing saying why."""
+    from drama3_patches import reviewed
+    from drama3_patches.tools import pairings as pt
+
+    said = reviewed.verdict(manifest, installed)
+    if said is None:
+        return []
+    last = pt.PAIRINGS[-1]
+    fix = (f"install a reviewed pair ({_install('vllm', f'=={last.vllm}')} and "
+           f"{_install('vllm-omni', f'=={last.vllm_omni}')}), or a drama3-patches release reviewed for "
+           "the installed versions")
+    return [Check("reviewed range", False, said, fix)]
+
+
 def _pairs_text() -> str:
     from drama3_patches.tools.pairings import PAIRINGS
 
@@ -358,6 +374,7 @@ def run_checks(env=None, dirs=None, entry_points=None, installed=None, npu=None,
         except ManifestError as exc:
             checks.append(Check("manifest", False, str(exc), REINSTALL))
     if manifest is not None:
+        checks += check_reviewed(manifest, installed)
         checks += check_versions(manifest, installed, provider)
     probe = probe_npu() if npu is None else npu
     checks += check_pairings(installed)

@@ -397,3 +397,28 @@ def test_vllm_plugins_unset_or_naming_drama3_patches_says_nothing(tmp_path, valu
         env["VLLM_PLUGINS"] = value
     rc, text = _report(_checks(tmp_path, env=env))
     assert rc == 0 and "VLLM_PLUGINS" not in text and text.splitlines()[-1] == "ready", text
+
+
+@pytest.mark.parametrize("versions,said", [
+    ({"vllm": "0.34.0", "vllm-omni": "0.34.0rc1"},
+     "this patch set was reviewed for vLLM 0.31-0.32; 0.34.0 is installed; vLLM-Omni 0.31-0.32; 0.34.0rc1 is "
+     "installed: every patch is skipped"),
+    ({"vllm": "0.34.0", "vllm-omni": "0.32.0rc1"},
+     "this patch set was reviewed for vLLM 0.31-0.32; 0.34.0 is installed: "),
+])
+def test_outside_every_reviewed_range_doctor_says_every_patch_steps_aside_and_what_to_do(tmp_path, versions, said):
+    """The shipped manifest: vLLM (and vLLM-Omni) past every patch's range."""
+    from drama3_patches.manifest import load_manifest
+
+    checks = doctor.run_checks(env={"DRAMA3_PATCHES": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}, dirs=_site(tmp_path),
+                               entry_points=[EP], installed=dict(READY_VERSIONS, **versions).get,
+                               npu={"count": 2, "torch_npu": "x", "torch": "y"}, manifest=load_manifest())
+    rc, text = _report(checks)
+    line, fix = next((ln, f) for ln, f in _fails(text) if "reviewed range" in ln)
+    assert rc == 1 and line.startswith(f"  [FAIL] reviewed range: {said}"), line
+    assert fix == ('         fix: install a reviewed pair (VLLM_TARGET_DEVICE=empty pip install --no-binary vllm '
+                   '"vllm==0.32.0" and pip install "vllm-omni==0.32.0rc1"), or a drama3-patches release reviewed '
+                   'for the installed versions')
+    # Inside the range: no such line.
+    _, text = _report(_pair_checks(tmp_path))
+    assert "reviewed range" not in text
