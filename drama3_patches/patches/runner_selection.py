@@ -6,9 +6,8 @@ needs.
 
 Layout: one builder per target in ``_BUILDERS`` (``_deploy_loader``, ``_ar_init``,
 ``_generation_init``, ``_ar_init_device``). The loader is probed by ``_refuses_v2_on_npu`` and
-merges the ``npu`` section under ``NPU_ALIAS``. Where vLLM has no Model Runner V1 (0.34 removed
-``MODEL_RUNNER_V1``; ``model_runner_v1_removed``) every stage runs on V2: the AR worker takes V2
-whatever its stage says and the generation worker's refusal is left out (not-needed). The V2 runner class comes from
+merges the ``npu`` section under ``NPU_ALIAS``. ``model_runner_v1_removed`` (the absence of
+``MODEL_RUNNER_V1``) switches ``plan`` to its V2-only shape (``NO_V1``). The V2 runner class comes from
 ``shipped_npu_v2_ar_runner`` (one the installed vLLM-Omni ships) or ``npu_omni_ar_runner_class``
 (``_npu_omni_ar_runner``, imported only then: it pulls in both V2 runners), and is built inside
 vLLM-Ascend's ``torch_cuda_wrapper()`` (``_built_under_cuda_wrapper``).
