@@ -352,7 +352,8 @@ def test_noxfile_runs_the_pairs_doctor_checks(monkeypatch):
     spec.loader.exec_module(noxfile)
     assert noxfile.PAIRS == [(p.vllm, p.vllm_omni) for p in pairings.PAIRINGS] == [
         ("0.31.0", "0.31.0rc1"), ("0.32.0", "0.32.0rc1")]
-    assert noxfile.TORCH == "torch==2.13.0"
+    assert noxfile.TORCHES == {"0.31.0": "torch==2.13.0", "0.32.0": "torch==2.13.0"}
+    assert noxfile.DRIFT == [("0.33.0", "2.14.0"), ("0.34.0", "2.14.0")]
     assert pairings.for_omni("0.30.0") is None and pairings.for_vllm("0.32.3").vllm_omni == "0.32.0rc1"
 
 
@@ -422,3 +423,18 @@ def test_outside_every_reviewed_range_doctor_says_every_patch_steps_aside_and_wh
     # Inside the range: no such line.
     _, text = _report(_pair_checks(tmp_path))
     assert "reviewed range" not in text
+
+
+def test_each_row_pins_its_own_torch(monkeypatch):
+    """The table may pin several torches (vLLM 0.32: 2.13.0; 0.33/0.34: 2.14.0): each row's comes back,
+    and a vLLM in no row is refused by name."""
+    from drama3_patches.tools import pairings
+
+    monkeypatch.setattr(pairings, "PAIRINGS", (
+        pairings.Pairing("0.32.0", "0.32.0rc1", "2.13.0", "0.32", "2.13.0"),
+        pairings.Pairing("0.35.0", "0.35.0rc1", "2.15.0", "0.35", "2.15.0")))
+    assert pairings.nox_torch("0.32.0") == "2.13.0"
+    assert pairings.nox_torch("0.35.0") == "2.15.0"
+    assert pairings.nox_torch("0.34.0") == "2.14.0"  # a drift row
+    with pytest.raises(ValueError, match=r"vLLM 0\.99\.0 is in no row of the pairings table"):
+        pairings.nox_torch("0.99.0")
