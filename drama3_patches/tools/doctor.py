@@ -402,6 +402,7 @@ def patch_status(timeout: float = 300.0) -> dict:
 
 def patch_lines(status: dict) -> list[str]:
     """What the engine would do with each patch on an NPU with these versions."""
+    from drama3_patches.tools.fingerprint import change_note
     from drama3_patches.tools.report import table
 
     head = "patches on npu with these versions (the engine's guards, DRAMA3_PATCHES=1):"
@@ -410,7 +411,12 @@ def patch_lines(status: dict) -> list[str]:
     said = {"pending": "applies", "applied": "applies"}
     rows = [[p["id"], said.get(p["state"], p["state"]), p["reason"]] for p in status.get("patches", [])]
     applies = sum(1 for r in rows if r[1] == "applies")
-    return [head, table(rows, indent="  "), f"  {applies} of {len(rows)} would apply"]
+    lines = [head, table(rows, indent="  "), f"  {applies} of {len(rows)} would apply"]
+    for p in status.get("patches", []):
+        for change in p.get("changed_since_review", []):
+            lines.append(f"  {p['id']}: {change['target']}: {change_note(change)}: review the patch on this "
+                         "version (drama3-patches drift shows what moved)")
+    return lines
 
 
 def report(checks: list[Check], out, patches: dict | None = None) -> int:

@@ -172,3 +172,31 @@ def root_of(module: str) -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return os.path.dirname(list(spec.submodule_search_locations)[0])
+
+
+# Patch states under which the patch's code runs on the installed target (pending: it will, at import).
+APPLIES = ("applied", "pending")
+CHANGED = "target changed since review"
+
+
+def review_changes(manifest, status: dict, root_for=root_of) -> dict[str, list[dict]]:
+    """patch id -> the targets of a patch that applies (or will) here whose installed source differs
+    from every fingerprint the manifest's ``reviewed_source`` records for it. A target without a
+    record, or whose source cannot be read, says nothing; neither does an unchanged one."""
+    out: dict[str, list[dict]] = {}
+    states = {p["id"]: p.get("state") for p in status.get("patches", [])}
+    for spec in manifest.patches:
+        if states.get(spec.id) not in APPLIES:
+            continue
+        for target, recorded in spec.reviewed_source.items():
+            root = root_for(target.split(":")[0])
+            got = of_target(root, target)[0] if root else None
+            if got is None or got in recorded.values():
+                continue
+            out.setdefault(spec.id, []).append({"target": target, "fingerprint": got, "reviewed": dict(recorded)})
+    return out
+
+
+def change_note(change: dict) -> str:
+    """``target changed since review (reviewed on 0.31.0, 0.32.0)``."""
+    return f"{CHANGED} (reviewed on {', '.join(sorted(change['reviewed']))})"
