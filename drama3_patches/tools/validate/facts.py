@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
+
+from drama3_patches.tools import isolated_python
 
 MAX_OUTPUT = 256 * 1024  # of each command's output kept in the report
 DISTRIBUTIONS = ("torch", "torch-npu", "vllm", "vllm-ascend", "vllm-omni", "drama3-patches")
@@ -46,9 +47,12 @@ print(json.dumps({"cann": first(cann), "driver": first(driver),
 """
 
 
-def _run(argv: list, timeout: float, env=None) -> dict:
+def _run(argv: list, timeout: float, python: bool = False) -> dict:
+    """``argv`` run with ``timeout``; ``python``: ``argv`` is ``-c CODE ...`` or ``-m MODULE ...`` for
+    an isolated Python child (isolated_python)."""
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+        done = (isolated_python.run(*argv, timeout=timeout) if python else
+                subprocess.run(argv, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL))
     except FileNotFoundError:
         return {"absent": f"{argv[0]} is not installed"}
     except subprocess.TimeoutExpired:
@@ -64,19 +68,27 @@ def collect(timeout: float = 60.0, doctor_timeout: float = 300.0) -> dict:
     facts = {"variables": {k: v for k, v in sorted(os.environ.items())
                            if k.startswith(("ASCEND_", "DRAMA3_"))}}
     facts["npu-smi info"] = _run(["npu-smi", "info"], timeout)
-    probe = _run([sys.executable, "-c", _CHILD, json.dumps([CANN_FILES, DRIVER_FILES, DISTRIBUTIONS])], timeout)
+    facts.update(probe(timeout))
+    facts["doctor"] = _run(["-m", "drama3_patches.tools", "doctor"], doctor_timeout, python=True)
+    return facts
+
+
+def probe(timeout: float = 60.0) -> dict:
+    """The CANN toolkit's and the driver's version files and the distributions' versions, read by
+    an isolated Python child: ``{"cann": ..., "driver": ..., "versions": ...}``."""
+    facts: dict = {}
+    answer = _run(["-c", _CHILD, json.dumps([CANN_FILES, DRIVER_FILES, DISTRIBUTIONS])], timeout, python=True)
     try:
-        read = json.loads(probe["output"].strip().splitlines()[-1]) if probe.get("exit") == 0 else None
+        read = json.loads(answer["output"].strip().splitlines()[-1]) if answer.get("exit") == 0 else None
     except (ValueError, IndexError):
         read = None
     if read is None:
-        reason = probe.get("absent") or f"the probe failed: {probe.get('output', '')[-300:]}"
+        reason = answer.get("absent") or f"the probe failed: {answer.get('output', '')[-300:]}"
         facts.update({"cann": {"absent": reason}, "driver": {"absent": reason}, "versions": {"absent": reason}})
     else:
         for key, what in (("cann", "no CANN toolkit version file"), ("driver", "no driver version file")):
             facts[key] = read[key] or {"absent": what}
         facts["versions"] = {d: v or "absent" for d, v in read["versions"].items()}
-    facts["doctor"] = _run([sys.executable, "-m", "drama3_patches.tools", "doctor"], doctor_timeout)
     return facts
 
 
