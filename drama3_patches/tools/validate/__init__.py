@@ -291,8 +291,14 @@ def _run(args, name, loaded, out, began: float, started_at: float, say, signals:
             failure = exc
             run_.ended = f"stopped by an error in validate ({type(exc).__name__}: {exc})"
         signals.finish()
+        if gathering is not None and run_.ended != "completed":
+            gathering.stop()  # the run is ending: the host facts no longer wait on their children
         _judge(ctx, srv)
         run_.write(out)
+        if ctx.profiling:  # a signal cut the profile window short: its stop now, bounded, after the report
+            why = profile.stop_after_signal(ctx.url)
+            if why:
+                run_.notes.append(f"/stop_profile after the signal: {why}")
     finally:
         signals.finish()
         if srv is not None:
@@ -353,6 +359,7 @@ class _Context:
     since: float  # the run's start (time.time()): reports last written before it are an earlier run's
     host: str
     url: str = ""  # the server's, once started
+    profiling: bool = False  # inside the profile window (stage 0's profiler started)
 
     def roles(self) -> dict:
         return self.scan.role_map(multi_rank_stage=0 if self.tp > 1 else None)
@@ -413,7 +420,9 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
     if not args.no_profile:
         from drama3_patches.tools.validate import profile
 
+        ctx.profiling = True
         run_.frame_time = profile.window(url, lines[0], out, srv, run_.bench_levels, args, say)
+        ctx.profiling = False
         scan.poll()
 
 
@@ -428,7 +437,8 @@ def _judge(ctx: _Context, srv) -> None:
         # what the patches' series said on vLLM's own /metrics, kept beside the report
         from drama3_patches.tools.validate import metrics
 
-        scraped = metrics.save(ctx.url, ctx.out)
+        # after a signal the run is ending: a server that does not answer holds it a few seconds only
+        scraped = metrics.save(ctx.url, ctx.out, timeout=30 if run_.ended == "completed" else 5)
         if "error" in scraped:
             run_.notes.append(f"/metrics not saved: {scraped['error']}")
     scan.poll()
