@@ -173,15 +173,17 @@ class PatchCollector:
                 "patches": [{"id": i, "state": rec.state} for i, rec in engine.records.items()]}
 
     def _from_folder(self, directory: str, here: str, statuses: dict, kinds: dict) -> list:
+        from drama3_patches import report_dir
         from drama3_patches.report_dir import collect, liveness
 
         try:
-            collected = collect(directory, cache=self._cache)
+            collected = collect(directory, cache=self._cache, max_bytes=report_dir.SCRAPE_MAX_BYTES)
         except FileNotFoundError:  # no process has written a report yet
             return []
         for kind, n in collected.kinds.items():
             kinds[kind] += n
-        statuses["skipped"] = len(collected.skipped)
+        # over the scrape's bound: not read this time (the newest were), counted with the skipped
+        statuses["skipped"] = len(collected.skipped) + collected.kinds.get("over-limit", 0)
         out = []
         for proc in collected.processes:
             if proc.get("host") == here and proc["pid"] == os.getpid():
