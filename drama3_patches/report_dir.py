@@ -6,8 +6,12 @@ which runs in the API server) read the folder through :func:`collect`, so it liv
 
 Fail closed: a report is used only when it is a regular file (no link followed, no FIFO or
 device opened blocking) of at most ``MAX_REPORT_BYTES``, owned by the user reading, by root, or
-by a trusted uid, whose JSON has the expected field types. Anything else is skipped with the
-reason (for people) and its kind (``SKIP_KINDS``, for counting).
+by a trusted uid, whose JSON has the expected field types; type, owner and size are checked from
+the entry's ``lstat`` before it is opened (a foreign file costs no open and no read) and again
+from ``fstat`` before a byte is read. Anything else is skipped with the reason (for people) and
+its kind (``SKIP_KINDS``, for counting). Another user who can write the folder can fill it, so a
+collection is bounded: entries looked at, reports and bytes read, newest first; the rest is
+counted (``over-limit``, ``unlisted``).
 
 :func:`liveness` says whether a report's process still runs: on this host, by pid and by the
 process's start (``/proc/<pid>/stat``), so a pid the kernel handed to a later process does not
@@ -21,6 +25,9 @@ import os
 import stat
 from dataclasses import dataclass, field
 from functools import lru_cache
+
+# _kind, _size: the reader's words for the refusals the lstat screen makes before it would
+from drama3_patches.reader import UnreadableFile, _kind, _size, read_regular
 
 MAX_REPORT_BYTES = 1024 ** 2  # a report is a few kilobytes per patch
 MAX_REPORT_FILES = 10000  # reports read at most per collection, the newest first
@@ -182,21 +189,19 @@ class Cache:
 
 def _screen(lst, stem: str, trusted: frozenset) -> tuple | None:
     """The skip a file's ``lstat`` already decides, with nothing opened; None when it may be read."""
-    from drama3_patches.reader import _kind, _size  # the reader's words for the same refusals
-
-    who = _owner(lst.st_uid)
     if stat.S_ISLNK(lst.st_mode):
-        return "skip", f"a symbolic link; not followed ({who})", "link", lst
+        return "skip", f"a symbolic link; not followed ({_owner(lst.st_uid)})", "link", lst
     if not stat.S_ISREG(lst.st_mode):
-        return "skip", f"not a regular file ({_kind(lst.st_mode)}); a report must be one ({who})", "not-regular", lst
+        return ("skip", f"not a regular file ({_kind(lst.st_mode)}); a report must be one ({_owner(lst.st_uid)})",
+                "not-regular", lst)
     if lst.st_uid not in trusted:
-        return "skip", (f"{who}: not you or root, so possibly planted; "
+        return "skip", (f"{_owner(lst.st_uid)}: not you or root, so possibly planted; "
                         f"--trust {owner_name(lst.st_uid)} shows it"), "foreign-owner", lst
     if lst.st_size > MAX_REPORT_BYTES:
-        return ("skip", f"{_size(lst.st_size)}, over the {_size(MAX_REPORT_BYTES)} limit for a report ({who})",
-                "too-large", lst)
+        return ("skip", f"{_size(lst.st_size)}, over the {_size(MAX_REPORT_BYTES)} limit for a report "
+                f"({_owner(lst.st_uid)})", "too-large", lst)
     if parse_name(stem) is None:
-        return "skip", f"not a <host>-<pid>.json name ({who})", "bad-name", lst
+        return "skip", f"not a <host>-<pid>.json name ({_owner(lst.st_uid)})", "bad-name", lst
     return None
 
 
@@ -204,8 +209,6 @@ def _read_one(path: str, stem: str, trusted: frozenset, limit: int = MAX_REPORT_
     """``("ok", data, stat)`` or ``("skip", why, kind, stat-or-None)`` for one file. Type, size and
     owner are checked again on the open descriptor before a byte is read: the file may have been
     swapped since its ``lstat``."""
-    from drama3_patches.reader import UnreadableFile, read_regular
-
     try:
         raw, st = read_regular(path, limit, "report", follow=False, owners=trusted)
     except UnreadableFile as exc:
@@ -235,8 +238,8 @@ def _read_one(path: str, stem: str, trusted: frozenset, limit: int = MAX_REPORT_
 
 
 def _listing(directory: str, result: Collected) -> list:
-    """``(name, lstat)`` of the folder's ``.json`` entries, newest first (by mtime), at most
-    ``MAX_LISTED`` entries looked at: the rest is counted as one ``unlisted``."""
+    """``(name, path, lstat)`` of the folder's ``.json`` entries, at most ``MAX_LISTED`` entries
+    looked at: the rest is counted as one ``unlisted``."""
     found = []
     seen = 0
     with os.scandir(directory) as entries:
@@ -249,10 +252,9 @@ def _listing(directory: str, result: Collected) -> list:
             if not entry.name.endswith(".json"):
                 continue
             try:
-                found.append((entry.name, entry.stat(follow_symlinks=False)))
+                found.append((entry.name, entry.path, entry.stat(follow_symlinks=False)))
             except OSError:  # gone since listed
                 continue
-    found.sort(key=lambda item: (-item[1].st_mtime_ns, item[0]))
     return found
 
 
@@ -274,14 +276,20 @@ def collect(directory: str, trust: tuple = (), cache: Cache | None = None, max_b
     result = Collected(notes=folder_notes(os.stat(directory)))
     listed = _listing(directory, result)
     trusted = frozenset({os.geteuid(), 0, *trust})
+    readable = []
+    for name, path, lst in listed:
+        outcome = _screen(lst, name[:-5], trusted)
+        if outcome is None:
+            readable.append((name, path, lst))
+        else:
+            result.skipped.append((path, outcome[1]))
+            result.kinds[outcome[2]] = result.kinds.get(outcome[2], 0) + 1
+    readable.sort(key=lambda item: (-item[2].st_mtime_ns, item[0]))  # the newest first, when bounded
     budget = max_bytes
     over = 0
     kept = []
-    for name, lst in listed:
-        path = os.path.join(directory, name)
-        outcome = _screen(lst, name[:-5], trusted)
-        if outcome is None and cache is not None:
-            outcome = cache.get(name, Cache.key(lst), trusted)
+    for name, path, lst in readable:
+        outcome = cache.get(name, Cache.key(lst), trusted) if cache is not None else None
         if outcome is None:
             if len(kept) >= MAX_REPORT_FILES or (budget is not None and lst.st_size > budget):
                 over += 1
@@ -304,11 +312,12 @@ def collect(directory: str, trust: tuple = (), cache: Cache | None = None, max_b
             result.kinds[outcome[2]] = result.kinds.get(outcome[2], 0) + 1
     if over:
         result.kinds["over-limit"] = over
-        result.notes.append(f"{over} report(s) not read at this collection: past the newest {MAX_REPORT_FILES} "
-                            f"or {max_bytes} bytes")
+        bound = f"the newest {MAX_REPORT_FILES}" + (f" or {max_bytes} bytes" if max_bytes is not None else "")
+        result.notes.append(f"{over} report(s) not read at this collection: past {bound}")
     result.processes = kept
+    result.skipped.sort()
     if cache is not None:
-        cache.keep_only(name for name, _ in listed)
+        cache.keep_only(name for name, _, _ in readable)
     # A report of the older name says no host (unless its text does): it sorts first, as "?".
     result.processes.sort(key=lambda d: (d.get("host") or "", d["pid"]))
     return result
