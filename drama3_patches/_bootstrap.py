@@ -369,7 +369,9 @@ def _from_manifest(path: str) -> list[str] | None:
 
         if env.strict():
             raise
-        env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply "
+        # soft_failure's key: the engine, called later by vLLM's plugin hook, refuses the same
+        # manifest, and the process hears of it once
+        env.warn_once("soft-failure", f"cannot read the patch manifest ({exc}); no patch will apply "
                       f"(point {env.MANIFEST} at a readable manifest file, or unset it)")
         return None
     modules = scan_target_modules(text)

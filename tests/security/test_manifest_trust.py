@@ -58,8 +58,9 @@ def _start(tmp_path, manifest: Path, **extra):
     write_target(tmp_path / "mods")
     env = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_MANIFEST": str(manifest),
            "DRAMA3_PATCHES_CACHE_DIR": str(tmp_path / "cache"), **extra}
-    return run_python("import d3p_target; print(d3p_target.greet('x'))", env=env, pythonpath=[tmp_path / "mods"],
-                      timeout=60, check=False)
+    # the .pth start-up, then what vLLM's plugin hook calls in each of its processes, then a target
+    code = "from drama3_patches import plugin; plugin.register(); import d3p_target; print(d3p_target.greet('x'))"
+    return run_python(code, env=env, pythonpath=[tmp_path / "mods"], timeout=60, check=False)
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
