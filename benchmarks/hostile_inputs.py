@@ -11,6 +11,7 @@ rounds, interleaved, and prints the ratio:
                  plus one of 20,000 targets (never fits the start-up cache: scanned at every start)
   alias-import   the first target import, where the engine reads the manifest: one entry of 2,000
                  targets anchored, and 200 entries that are aliases of it
+  plain-import   the same import with the shipped manifest and one entry naming it: the reference
   bare           ``python -c pass`` without the patches, the reference for start-up
 
     python benchmarks/hostile_inputs.py [--rounds 5] [--compare DIR]   # with vLLM's environment
@@ -58,7 +59,7 @@ def _entry(pid: str, targets: list, anchor: str = "") -> str:
     lines.append("    targets:")
     lines += [f"      - {t}" for t in targets]
     lines += ["    platforms: [npu, cuda, cpu]",
-              "    implementation: drama3_patches.patches.metrics_endpoint:plan"]
+              "    implementation: drama3_patches.patches.selftest:plan"]
     lines += [f"    {field}: benchmark entry" for field in ("summary", "why", "how", "upstream", "remove_when")]
     return "\n".join(lines)
 
@@ -67,14 +68,16 @@ def _manifests(work: Path) -> dict:
     shipped = (ROOT / "patches_manifest.yaml").read_text().rstrip("\n")
     big = work / "targets-20000.yaml"
     big.write_text(shipped + "\n" + _entry("bench-many", [f"d3p_bench_{i}:f" for i in range(20000)]) + "\n")
+    plain = work / "plain.yaml"
+    plain.write_text(shipped + "\n" + _entry("bench-one", ["d3p_bench_target:f"]) + "\n")
     alias = work / "aliases.yaml"
     targets = ["d3p_bench_target:f"] + [f"d3p_bench_{i}:f" for i in range(1999)]
     alias.write_text(shipped + "\n" + _entry("bench-big", targets, anchor="&big") + "\n"
                      + "\n".join("  - *big" for _ in range(200)) + "\n")
     (work / "d3p_bench_target.py").write_text("def f():\n    return 1\n")
-    for path in (big, alias):
+    for path in (big, plain, alias):
         path.chmod(0o644)
-    return {"big": big, "alias": alias}
+    return {"big": big, "plain": plain, "alias": alias}
 
 
 def _folder(work: Path, n: int) -> Path:
@@ -147,6 +150,8 @@ def main() -> int:
                 alias_env = {"DRAMA3_PATCHES": "1", "DRAMA3_PATCHES_MANIFEST": str(manifests["alias"]),
                              "DRAMA3_PATCHES_CACHE_DIR": str(cache), "DRAMA3_PATCHES_PLATFORM": "cpu"}
                 add("alias-import", _inner([py, "-c", FIRST_IMPORT], _env(project, alias_env, work))["s"])
+                plain_env = dict(alias_env, DRAMA3_PATCHES_MANIFEST=str(manifests["plain"]))
+                add("plain-import", _inner([py, "-c", FIRST_IMPORT], _env(project, plain_env, work))["s"])
             print(f"  {r + 1}/{args.rounds} rounds", file=sys.stderr)
     print(f"python {sys.version.split()[0]}, {args.rounds} interleaved rounds, medians in ms")
     cases = sorted({case for case, _ in times}, key=lambda c: list(dict.fromkeys(c for c, _ in times)).index(c))
