@@ -182,3 +182,24 @@ def test_the_engines_target_modules_are_deduplicated_in_linear_time():
     assert asked == [tuple(names)] * 2
     # Each repeated name is compared with its first once, and only the first time it is asked.
     assert n <= compared <= 2 * n, compared
+
+
+@pytest.mark.forked
+def test_a_start_up_cache_entry_is_not_used_for_a_manifest_others_can_write(tmp_path, monkeypatch):
+    """The start-up list cached for a manifest (as an older version cached any) is not used once
+    the manifest is one the scan refuses: start-up then scans, and refuses it with the warning."""
+    import time
+
+    from drama3_patches import _bootstrap
+
+    monkeypatch.setenv("DRAMA3_PATCHES_CACHE_DIR", str(tmp_path / "cache"))
+    paths = {}
+    for name, mode in (("writable", 0o666), ("closed", 0o644)):
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(GOOD)
+        os.chmod(paths[name], mode)
+    time.sleep(_bootstrap.RACY_NS / 1e9 + 0.1)  # a manifest changed within the last second is not cached
+    for path in paths.values():
+        _bootstrap._store(str(path), os.stat(path), ["d3p_target"])
+    assert _bootstrap._from_cache(str(paths["writable"])) is None
+    assert _bootstrap._from_cache(str(paths["closed"])) == ["d3p_target"]  # negative control: the entry is there
