@@ -172,7 +172,7 @@ def test_the_deployments_live_processes_are_on_metrics_and_the_rest_is_counted(t
     assert reports_ == {"live": 6, "gone": 4, "remote": 1, "skipped": 4, "folder-unset": 0}, reports_
     skipped = {s.labels["reason"]: s.value for s in samples if s.name == "drama3_patches_reports_skipped"}
     assert skipped == {"link": 1, "not-regular": 1, "foreign-owner": 1, "too-large": 1, "bad-name": 0,
-                       "invalid": 0, "unreadable": 0}, skipped
+                       "invalid": 0, "unreadable": 0, "over-limit": 0, "unlisted": 0}, skipped
     assert total(samples, "drama3_patches_collector_errors_total") == 0
     # Label values are from the fixed sets only: nothing from a report's text (reasons, argv, paths).
     for s in samples:
@@ -183,7 +183,8 @@ def test_the_deployments_live_processes_are_on_metrics_and_the_rest_is_counted(t
                                                 *map(str, info.values())}, s
 
 
-SKIPS = ("link", "not-regular", "too-large", "foreign-owner", "bad-name", "invalid", "unreadable")
+SKIPS = ("link", "not-regular", "too-large", "foreign-owner", "bad-name", "invalid", "unreadable", "over-limit",
+         "unlisted")
 STATUSES = ("live", "gone", "remote", "skipped", "folder-unset")
 
 
