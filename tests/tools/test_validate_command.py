@@ -91,21 +91,59 @@ def _scan(text: str) -> logscan.LogScan:
 def test_row_a_counts_only_stage0s_own_graph_capture_records():
     capture_logs = [
         "(StageEngineCoreProc_stage1_replica0 pid=15) INFO 12-04 [gpu_model_runner.py:9] Graph capturing finished "
-        "in 3 secs",
-        "(Worker pid=16) INFO 12-04 [acl_graph.py:1] Capturing ACL graphs for decode",
-        "(Worker_TP0 pid=13) WARNING 12-04 [acl_graph.py:1] ACL graph is disabled for this model",
-        "(APIServer pid=11) INFO 12-04 [x.py:1] Graph capturing finished in 0 secs",
+        "in 3 secs, took 0.10 GiB",
+        "(Worker pid=16) INFO 12-04 [acl_graph.py:301] ACL graph replay is active (logged once).",
+        "(Worker_TP0 pid=13) WARNING 12-04 [gpu_model_runner.py:9] Graph capturing finished in 1 secs, took 0.1 GiB",
+        "(APIServer pid=11) INFO 12-04 [x.py:1] Graph capturing finished in 0 secs, took 0.00 GiB",
     ]
     scan = _scan(LOG + "\n".join(capture_logs) + "\n")
     roles = scan.role_map(multi_rank_stage=0)
     assert scan.stage0_captures(roles) == 0  # stage 1's, the API server's, and a WARNING: none is stage 0's
-    scan = _scan(LOG + "(Worker_TP1 pid=14) INFO 12-04 [model_runner_v1.py:2] Graph capturing finished in 9 secs\n"
-                 "(StageEngineCoreProc_stage0_replica0 pid=12) INFO 12-04 [y.py:1] Capturing ACL graphs\n")
+    scan = _scan(LOG + "(Worker_TP1 pid=14) INFO 12-04 [model_runner_v1.py:2] Graph capturing finished in 9 secs, "
+                 "took 0.5 GiB\n(Worker_TP0 pid=13) DEBUG 12-04 [acl_graph.py:182] Capturing ACL graph (FULL, x)\n")
     assert scan.stage0_captures(scan.role_map(multi_rank_stage=0)) == 2
-    run = verdict.Run(profile="p", model="m", tp=2, ep=True, compiled=True,
-                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
-    run.startup(True, 40.0, "", 0)
-    assert not run.checks["a"].passed and "none of its processes logged a graph capture" in run.checks["a"].detail
+
+
+def _graph_run(captures_here=True) -> verdict.Run:
+    return verdict.Run(profile="p", model="m", tp=2, ep=True, compiled=True, capture_platform=captures_here,
+                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+
+
+COMPILED = ("(Worker_TP0 pid=13) INFO 12-04 [backends.py:399] Compiling a graph for compile range (1, 8) takes "
+            "2.10 s\n(Worker_TP1 pid=14) INFO 12-04 [backends.py:1167] Dynamo bytecode transform time: 3.2 s\n")
+CAPTURED = {13: "(Worker_TP0 pid=13) INFO 12-04 [model_runner.py:1128] Graph capturing finished in 9 secs, took "
+                "0.50 GiB\n",
+            14: "(Worker_TP1 pid=14) INFO 12-04 [acl_graph.py:301] ACL graph replay is active (logged once).\n"}
+DISABLED = ("(Worker_TP0 pid=13) INFO 12-04 [platform.py:1338] cudagraph_mode FULL_AND_PIECEWISE is unsupported on "
+            "NPU; falling back to NONE.\n(Worker_TP1 pid=14) INFO 12-04 [acl_graph.py:1] ACL graph replay is "
+            "disabled\n")
+
+
+@pytest.mark.parametrize("log, passed, says", [
+    (COMPILED + CAPTURED[13] + CAPTURED[14], True, "captured graphs on each of its 2 worker(s) (2 capture record(s)), "
+                                                   "2 compile record(s)"),
+    (COMPILED, False, "stage 0 compiled but captured no graph (2 compile record(s), no capture record)"),
+    (COMPILED + DISABLED, False, "stage 0 compiled but captured no graph"),
+    (COMPILED + CAPTURED[13], False, "captured graphs on 1 of 2 workers: worker stage 0 rank 1 logged no capture "
+                                     "record"),
+], ids=["captured", "compile-only", "capture-disabled", "one-rank"])
+def test_row_a_passes_a_graph_profile_only_on_capture_records_from_each_stage0_worker(log, passed, says):
+    scan = _scan(LOG + log)
+    run = _graph_run()
+    run.startup(True, 40.0, "", scan.stage0_graphs(scan.role_map(multi_rank_stage=0)))
+    assert run.checks["a"].passed is passed and says in run.checks["a"].detail, run.checks["a"].detail
+
+
+def test_row_a_on_a_platform_without_capture_says_compiled_not_captured():
+    scan = _scan(LOG + COMPILED)
+    run = _graph_run(captures_here=False)
+    run.startup(True, 40.0, "", scan.stage0_graphs(scan.role_map(multi_rank_stage=0)))
+    assert run.checks["a"].passed
+    assert run.checks["a"].detail == ("ready in 40 s; stage 0 compiled (2 compile record(s)); capture not available "
+                                      "on this platform")
+    run = _graph_run(captures_here=False)
+    run.startup(True, 40.0, "", _scan(LOG).stage0_graphs(_scan(LOG).role_map(multi_rank_stage=0)))
+    assert not run.checks["a"].passed and "logged no compile record" in run.checks["a"].detail
 
 
 def test_the_log_is_read_incrementally_with_bounded_lines(tmp_path):
@@ -179,7 +217,7 @@ def test_a_request_counts_only_in_whole_44k_frames_within_what_it_asked():
 def test_the_verdict_passes_only_when_every_phase_ran_and_passed():
     run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
-    run.startup(False, 31.0, "the server exited with status 1 before it was ready", 0)
+    run.startup(False, 31.0, "the server exited with status 1 before it was ready", {})
     scan = _scan("(StageEngineCoreProc_stage0_replica0 pid=12) ERROR 12-04 [fish_omni_model.py:186] "
                  "NotImplementedError: fish_omni runs with one tensor and pipeline rank\n")
     run.final(dict.fromkeys(evidence.COUNTERS, 0), [], [], scan)

@@ -327,7 +327,7 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
 
     ready, waited, why = server.wait_ready(srv, port, args.start_timeout, tick=tick)
     scan.poll()
-    run_.startup(ready, waited, why, scan.stage0_captures(ctx.roles()))
+    run_.startup(ready, waited, why, scan.stage0_graphs(ctx.roles()))
     say(f"a. start-up: {'ready' if ready else 'FAILED'} after {waited:.0f} s {why}")
     if not ready:
         return

@@ -47,23 +47,50 @@ class Run:
     diagnosis: list = field(default_factory=list)  # report.md's lines on the first failing row
     facts: dict = field(default_factory=dict)  # host facts summary (facts.collect); whole in host-facts.md
     frame_time: dict | None = None  # profile.measure's figures, when profiled
+    capture_platform: bool | None = None  # whether vLLM captures graphs here (not on its CPU build); None: ask
 
     # -- phases --------------------------------------------------------------------------------
 
-    def startup(self, ready: bool, waited: float, why: str, captures: int) -> None:
-        """``captures``: graph-capture records stage 0's own processes printed (logscan)."""
+    def startup(self, ready: bool, waited: float, why: str, graphs: dict) -> None:
+        """``graphs``: stage 0's capture records per worker and its compile records
+        (``logscan.LogScan.stage0_graphs``). A graph profile passes only with a capture record from
+        each stage-0 worker; compiling is not capturing. Where the platform captures nothing
+        (vLLM's CPU build), a compiled stage 0 is said to be compiled, not captured."""
         self.ready = ready
         if not ready:
             self.checks["a"] = Check("a. start-up", False, f"{why} ({waited:.0f} s); see server.log", wall_s=waited)
             return
-        if self.compiled:
-            ok = captures > 0
-            detail = (f"ready in {waited:.0f} s; stage 0 compiled: {captures} graph-capture line(s) from stage 0"
-                      if ok else f"ready in {waited:.0f} s, but stage 0 should compile and none of its processes "
-                                 "logged a graph capture")
+        head = f"ready in {waited:.0f} s"
+        captures, compiles = graphs.get("captures", {}), graphs.get("compiles", 0)
+        if not self.compiled:
+            ok, detail = True, f"{head}; stage 0 eager (enforce_eager): no graph capture"
+        elif not self._captures_graphs():
+            ok = compiles > 0
+            detail = (f"{head}; stage 0 compiled ({compiles} compile record(s)); capture not available on this "
+                      "platform" if ok else f"{head}, but stage 0 should compile and logged no compile record")
         else:
-            ok, detail = True, f"ready in {waited:.0f} s; stage 0 eager (enforce_eager): no graph capture"
+            missing = [role for role, n in captures.items() if n == 0]
+            ok = bool(captures) and not missing
+            if ok:
+                detail = (f"{head}; stage 0 captured graphs on each of its {len(captures)} worker(s) "
+                          f"({sum(captures.values())} capture record(s)), {compiles} compile record(s)")
+            elif not captures:
+                detail = f"{head}, but no stage-0 worker was found in the log to have captured a graph"
+            elif len(missing) == len(captures):
+                detail = (f"{head}; stage 0 compiled but captured no graph ({compiles} compile record(s), "
+                          "no capture record)" if compiles else
+                          f"{head}, but stage 0 captured no graph (no capture record from its workers)")
+            else:
+                detail = (f"{head}, but stage 0 captured graphs on {len(captures) - len(missing)} of "
+                          f"{len(captures)} workers: {', '.join(missing)} logged no capture record")
         self.checks["a"] = Check("a. start-up", ok, detail, wall_s=waited)
+
+    def _captures_graphs(self) -> bool:
+        if self.capture_platform is None:
+            from drama3_patches.platform import current_platform
+
+            self.capture_platform = current_platform() != "cpu"
+        return self.capture_platform
 
     def clones(self, phase, audio: list) -> None:
         self.audio += audio
