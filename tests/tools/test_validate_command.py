@@ -214,7 +214,8 @@ def test_a_request_counts_only_in_whole_44k_frames_within_what_it_asked():
     assert _sent(0, ok=False).problem() == "x: HTTP 500"
 
 
-def test_the_verdict_passes_only_when_every_phase_ran_and_passed():
+def test_the_verdict_passes_only_when_every_phase_ran_and_passed(monkeypatch):
+    monkeypatch.delenv("DRAMA3_PATCHES", raising=False)  # the fix then says to switch them on
     run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
     run.startup(False, 31.0, "the server exited with status 1 before it was ready", {})
@@ -305,6 +306,41 @@ def test_the_diagnosis_prefers_the_first_specific_cause_over_an_engine_that_died
     assert clean.found.likely() is None
     assert "No known failure signature" in diagnose.explain(verdict.Check("b. x", False, "d"), clean.found)[1]
     assert diagnose.explain(None, scan.found) == []
+
+
+def test_a_signatures_context_is_read_in_the_same_process_only():
+    """An OOM in one worker is not 'at expert load' because another process loaded experts just before."""
+    expert_lines = SIGNATURE_LOGS["out of memory at expert load"][:2]
+    other = [ln.replace("(Worker_TP0 pid=13)", "(Worker_TP1 pid=14)") for ln in expert_lines]
+    oom = SIGNATURE_LOGS["out of memory at expert load"][2]
+    assert _scan("\n".join(other + [oom]) + "\n").found.likely().signature.name == "out of memory"
+    assert _scan("\n".join(expert_lines + [oom]) + "\n").found.likely().signature.name == \
+        "out of memory at expert load"
+
+
+# what each fact of a run would make a fix name needlessly
+_NAMES_IN_USE = {"patches_on": "export DRAMA3_PATCHES=1",
+                 "tp2_ep": "serve stage 0 at tensor parallel 2 with expert parallel"}
+
+
+@pytest.mark.parametrize("fact", sorted(_NAMES_IN_USE))
+def test_no_fix_names_what_the_run_already_uses(fact):
+    named = [sig.name for sig in diagnose.SIGNATURES if _NAMES_IN_USE[fact] in sig.fix]
+    assert named, f"no signature's fix names {_NAMES_IN_USE[fact]!r}: the check would pass on nothing"
+    for sig in diagnose.SIGNATURES:
+        given = diagnose.fix_for(sig, {fact: True})
+        assert _NAMES_IN_USE[fact] not in given, (sig.name, given)
+        if sig.name in named:
+            assert given != sig.fix and given in diagnose.explain(
+                verdict.Check("a. start-up", False, "x"), _scan("\n".join(SIGNATURE_LOGS[sig.name]) + "\n").found,
+                {fact: True})[2]
+
+
+def test_the_run_facts_say_what_the_run_uses(monkeypatch):
+    monkeypatch.setenv("DRAMA3_PATCHES", "1")
+    assert diagnose.run_facts(2, True) == {"tp2_ep": True, "patches_on": True}
+    monkeypatch.setenv("DRAMA3_PATCHES", "0")
+    assert diagnose.run_facts(2, False) == {"tp2_ep": False, "patches_on": False}
 
 
 def _report(folder, host, pid, written_at, states=None, process=None):

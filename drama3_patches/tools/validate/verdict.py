@@ -181,7 +181,7 @@ class Run:
         cause and its fix (``diagnose.explain``)."""
         from drama3_patches.tools.validate import diagnose
 
-        self.diagnosis = diagnose.explain(self.first_failed, matcher)
+        self.diagnosis = diagnose.explain(self.first_failed, matcher, diagnose.run_facts(self.tp, self.ep))
 
     def _served(self, phase) -> None:
         self.counts["requests_completed"] += phase.completed
