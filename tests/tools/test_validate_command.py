@@ -201,9 +201,76 @@ def test_the_patch_table_wants_every_role_and_the_stage0_patches_on_each_rank():
                                   _proc(5, "worker stage 0 rank 1", {}, tp_steps_checked=7)], "tp_steps_checked") == 7
 
 
+@pytest.mark.parametrize("ranks, verified", [
+    ({"rank 0": (2, 2), "rank 1": (2, 2)}, 2),
+    ({"rank 0": (2, 1), "rank 1": (1, 1)}, 0),  # per-counter minima said 1 of 1: rank 0's miss hidden
+    ({"rank 0": (2, 2), "rank 1": (2, 0)}, 0),
+])
+def test_row_c_counts_a_resume_verified_only_where_every_rank_verified_its_own(ranks, verified):
+    procs = [_proc(4 + i, f"worker stage 0 {rank}", {}, resumes=r, resumes_verified=v)
+             for i, (rank, (r, v)) in enumerate(ranks.items())]
+    resumes = evidence.stage0_count(procs, "resumes")
+    assert evidence.stage0_count(procs, "resumes_verified") == verified
+    run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    before = dict.fromkeys(evidence.COUNTERS, 0)
+    after = {k: evidence.stage0_count(procs, k) for k in evidence.COUNTERS} | {"preemptions": 2}
+    run.preemption(phases.Phase(), before, after, [])
+    assert run.checks["c"].passed is (verified == resumes), run.checks["c"].detail
+
+
 def _sent(samples: int, rate=44100, ok=True, frames=10):
     r = Result("x", ok=ok, error="" if ok else "HTTP 500", audio_s=samples / rate, sample_rate=rate)
     return phases.Sent("x", r, frames)
+
+
+def _clone(arrivals, frames=10):
+    sent = _sent(frames * 2048, frames=frames)
+    sent.result.chunks = [(t, frames * 2048 / 44100 / len(arrivals)) for t in arrivals]
+    sent.result.start, sent.result.end = arrivals[0] - 1, arrivals[-1]
+    return sent
+
+
+@pytest.mark.parametrize("arrivals, passed, says", [
+    ([[1.0, 1.5, 2.0], [1.2, 1.7, 2.2]], True, "chunks per clone: 3, 3"),
+    ([[1.0], [1.2, 1.7]], False, "1 of 2 clones arrived in one piece"),
+    ([[1.0, 1.0005, 1.001], [1.2, 1.2004]], False, "2 of 2 clones arrived in one piece (fewer than 2 chunks, or "
+                                                     "the first audio less than 10 ms before the last chunk)"),
+], ids=["streamed", "one-chunk", "buffered-then-sent"])
+def test_row_b_requires_each_clone_to_stream(arrivals, passed, says):
+    run = verdict.Run(profile="p", model="m", tp=1, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    run.clones(phases.Phase(sent=[_clone(a) for a in arrivals]), [])
+    assert run.checks["b"].passed is passed and says in run.checks["b"].detail, run.checks["b"].detail
+
+
+class _Scan:
+    bad_count, bad_shown, drift = 0, [], False
+
+    def __init__(self, records):
+        self.records = records
+
+
+@pytest.mark.parametrize("records, passed, says", [
+    ({2: 5, 4: 3, 5: 1}, True, "records from 3 stage-0 process(es) (served at VLLM_LOGGING_LEVEL=INFO"),
+    ({2: 5, 4: 3}, False, "worker stage 0 rank 1 (pid 5) logged nothing"),
+    ({}, False, "engine-core stage 0 (pid 2) logged nothing"),
+], ids=["every-process", "silent-rank", "nothing"])
+def test_row_f_requires_records_from_each_stage0_process(records, passed, says):
+    run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    run.ready = True
+    procs = [_proc(1, "api-server", {}), _proc(2, "engine-core stage 0", {}), _proc(4, "worker stage 0 rank 0", {}),
+             _proc(5, "worker stage 0 rank 1", {})]
+    run.final(dict.fromkeys(evidence.COUNTERS, 0), procs, [], _Scan(records))
+    assert run.checks["f"].passed is passed and says in run.checks["f"].detail, run.checks["f"].detail
+
+
+def test_the_log_counts_records_per_process_and_the_server_logs_at_info():
+    scan = _scan("(Worker_TP1 pid=14) INFO 12-04 [a.py:1] x\n(Worker_TP1 pid=14)   continued\n"
+                 "(Worker_TP0 pid=13) WARNING 12-04 [a.py:1] y\nno prefix INFO z\n")
+    assert dict(scan.records) == {14: 1, 13: 1}
+    assert logscan.SERVER_ENV == {"VLLM_LOGGING_LEVEL": "INFO"}
 
 
 def test_a_request_counts_only_in_whole_44k_frames_within_what_it_asked():

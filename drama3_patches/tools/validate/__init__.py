@@ -229,7 +229,7 @@ def _run(args, name, loaded, out: Path, began: float, started_at: float, say, si
             import yaml
 
             (out / "deploy.yaml").write_text(yaml.safe_dump(served, sort_keys=False))
-            server_env = dict(os.environ, **{env.REPORT_DIR: str(reports), env.RESUME_CHECK: "1"})
+            server_env = dict(os.environ, **logscan.SERVER_ENV, **{env.REPORT_DIR: str(reports), env.RESUME_CHECK: "1"})
             if tp > 1:
                 server_env[env.TP_CHECK] = "1"
             lines = phases.write_references(out / "refs", max(args.clones, args.preempt_requests,

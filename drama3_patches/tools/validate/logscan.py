@@ -15,6 +15,10 @@ from collections import Counter, deque
 from drama3_patches.tools.validate import diagnose
 
 CHUNK = 1024 * 1024
+# The level validate serves at, whatever the operator's shell says: the rows read INFO records
+# (graph capture, each process's loading) and row f needs records from every stage-0 process.
+SERVER_LOG_LEVEL = "INFO"
+SERVER_ENV = {"VLLM_LOGGING_LEVEL": SERVER_LOG_LEVEL}  # set in the served environment
 MAX_LINE = 16 * 1024
 TAIL_LINES = 200
 SHOWN_BAD = 12
@@ -118,6 +122,7 @@ class LogScan:
         self.roles = Roles()
         self.captures: Counter = Counter()  # pid -> graph-capture records (INFO/DEBUG or unlevelled)
         self.compiles: Counter = Counter()  # pid -> Dynamo/Inductor compile records
+        self.records: Counter = Counter()  # pid -> log records (a level after the prefix): row f
         self.bad_count = 0
         self.bad_shown: list[str] = []
         self.drift = False
@@ -173,6 +178,8 @@ class LogScan:
         self.roles.feed(line, match)
         level = _LEVEL.match(line)
         level = level.group(1) if level else None
+        if match is not None and level is not None:
+            self.records[int(match.group(4))] += 1
         if match is not None and level in (None, "INFO", "DEBUG") and not NO_CAPTURE.search(line):
             if CAPTURE.search(line):
                 self.captures[int(match.group(4))] += 1

@@ -23,6 +23,16 @@ class Check:
     wall_s: float | None = None
 
 
+STREAM_MARGIN_S = 0.010  # row b: a clone's first audio must arrive this long before its last chunk
+
+
+def streamed(chunks) -> bool:
+    """Whether a clone's audio streamed: two chunks or more (``(arrival_s, audio_s)``), the first
+    arriving at least :data:`STREAM_MARGIN_S` before the last (a response buffered whole and sent
+    at once arrives in pieces within a millisecond or so)."""
+    return len(chunks) >= 2 and chunks[-1][0] - chunks[0][0] >= STREAM_MARGIN_S
+
+
 @dataclass
 class Run:
     profile: str
@@ -96,12 +106,18 @@ class Run:
         self.audio += audio
         problems, n = phase.problems, len(phase.sent)
         overlaps = phase.overlaps()
-        ok = not problems and (n == 1 or overlaps > 0)
+        complete = [s for s in phase.sent if s.problem() is None]
+        whole = [s for s in complete if not streamed(s.result.chunks)]
+        ok = not problems and (n == 1 or overlaps > 0) and not whole
         detail = (f"{phase.completed}/{n} streamed clones complete in whole 44.1 kHz frames; {overlaps} arrived "
-                  f"while an earlier one was streaming")
+                  f"while an earlier one was streaming; chunks per clone: "
+                  f"{', '.join(str(len(s.result.chunks)) for s in complete) or '-'}")
+        if whole:
+            detail += (f"; {len(whole)} of {len(complete)} clones arrived in one piece (fewer than 2 chunks, or "
+                       f"the first audio less than {STREAM_MARGIN_S * 1e3:.0f} ms before the last chunk)")
         if problems:
             detail += "; " + "; ".join(problems[:4])
-        elif not ok:
+        elif not ok and not whole:
             detail += ": none overlapped, lower --stagger"
         self._served(phase)
         self.checks["b"] = Check("b. streaming voice clones", ok, detail, wall_s=phase.wall_s)
@@ -170,11 +186,21 @@ class Run:
         self.checks["e"] = Check("e. patch states", ok, detail)
         self.processes = [{"pid": p.pid, "role": p.role, "enabled": p.enabled, "states": p.states,
                            "counts": p.counts} for p in procs]
+        from drama3_patches.tools.validate.logscan import SERVER_LOG_LEVEL, is_stage0
+
         count, shown = scan.bad_count, scan.bad_shown
+        silent = [f"{p.role} (pid {p.pid}) logged nothing" for p in procs
+                  if is_stage0(p.role) and not scan.records.get(p.pid)]
+        heard = sum(1 for p in procs if is_stage0(p.role) and scan.records.get(p.pid))
         detail = "no device, collective or traceback line" if not count else \
             f"{count} line(s): " + " | ".join(shown)
-        self.checks["f"] = Check("f. server log", count == 0 and self.ready, detail if self.ready else
-                                 f"the server did not start; {detail}")
+        detail += (f"; records from {heard} stage-0 process(es) (served at VLLM_LOGGING_LEVEL={SERVER_LOG_LEVEL}, "
+                   "whatever the shell sets)")
+        if not heard and not silent:
+            silent = ["no stage-0 process is known from its report, so none was heard"]
+        detail += "".join(f"; {s}" for s in silent)
+        self.checks["f"] = Check("f. server log", count == 0 and not silent and self.ready,
+                                 detail if self.ready else f"the server did not start; {detail}")
 
     def diagnose(self, matcher) -> None:
         """report.md's diagnosis: the first failing row and, from the log's signatures, the likely
