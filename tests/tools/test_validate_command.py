@@ -266,6 +266,31 @@ def test_row_f_requires_records_from_each_stage0_process(records, passed, says):
     assert run.checks["f"].passed is passed and says in run.checks["f"].detail, run.checks["f"].detail
 
 
+@pytest.mark.parametrize("steps, drift, says", [
+    (0, False, "0 step(s) compared across 2 ranks: no step was compared"),
+    (40, True, "40 step(s) compared across 2 ranks; TensorParallelDrift in the log"),
+], ids=["nothing-compared", "drift"])
+def test_row_d_fails_when_no_step_was_compared_or_the_ranks_drifted(steps, drift, says):
+    run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    scan = _Scan({})
+    scan.drift = drift
+    run.final(dict.fromkeys(evidence.COUNTERS, 0) | {"tp_steps_checked": steps}, [], [], scan)
+    assert not run.checks["d"].passed and run.checks["d"].detail == says
+    scan.drift = False
+    run.final(dict.fromkeys(evidence.COUNTERS, 0) | {"tp_steps_checked": 40}, [], [], scan)
+    assert run.checks["d"].passed
+
+
+def test_row_g_fails_on_a_failed_bench_request():
+    run = verdict.Run(profile="p", model="m", tp=1, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    level = {"max_concurrency": 1, "completed": 0, "median_ttft_ms": None, "audio_throughput": None,
+             "mean_rtf": None, "failures": [{"utt": "line3", "error": "HTTP 500"}], "requests": [], "playout": None}
+    run.bench([level], 1.0)
+    assert not run.checks["g"].passed and "failed: line3: HTTP 500" in run.checks["g"].detail
+
+
 def test_the_log_counts_records_per_process_and_the_server_logs_at_info():
     scan = _scan("(Worker_TP1 pid=14) INFO 12-04 [a.py:1] x\n(Worker_TP1 pid=14)   continued\n"
                  "(Worker_TP0 pid=13) WARNING 12-04 [a.py:1] y\nno prefix INFO z\n")
