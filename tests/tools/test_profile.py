@@ -506,3 +506,13 @@ def test_the_window_is_skipped_when_the_server_is_not_serving(tmp_path):
     assert ft == {"error": "skipped: 2 of row g's requests failed, so the server is not serving"}
     assert profile.markdown(ft)[-2] == "Not measured: skipped: 2 of row g's requests failed, so the server is " \
                                        "not serving."
+
+
+def test_a_function_of_torch_named_code_is_not_the_sampler(tmp_path):
+    """torch.fx's ``GraphModule.code`` property is a call named ``code`` too: not the sampler's."""
+    tr = Trace()
+    exp = _steps(tr, n=3, t=0.0)
+    for e in [e for e in tr.events if e.get("name") == "nn.Module: TowerLayer_0"]:
+        tr.py("/venv/lib/python3.11/site-packages/torch/fx/graph_module.py(881): code", e["ts"] + 20, 5)
+    ft = _read(tr, tmp_path)
+    assert ft["problems"] == [] and ft["components_ms"]["sampler"] == pytest.approx(_mean(exp, "sampler", 2))

@@ -194,7 +194,8 @@ FORWARD = re.compile(r"^nn\.Module: FishOmniForConditionalGeneration_\d+$|fish_o
 # The structural rules read the module tree: a module record is ``nn.Module: Class_N``, a Python
 # call ``file.py(N): function``. Class and file names below are the fallback only.
 FUNCTION = re.compile(r"\(\d+\): (?:forward|main_tokens|code|sample_tokens)$")  # the calls the rules read
-SAMPLER_CALL = re.compile(r"\(\d+\): (?:main_tokens|code)$")  # FusedFrameSampler's two methods, whatever its file
+# FusedFrameSampler's two methods, whatever its file (not torch's own ``code``, fx's property)
+SAMPLER_CALL = re.compile(r"^(?!.*(?:^|[/\\])torch[/\\]).*\(\d+\): (?:main_tokens|code)$")
 BACKBONE = re.compile(r"^nn\.Module: Qwen3_5Model_\d+$|models[/\\]qwen3_(?:5|next)\.py\(\d+\): forward$")
 LAYER = re.compile(r"^nn\.Module: Qwen3_5DecoderLayer_\d+$")  # the backbone's, where its model has no record
 TOWER = re.compile(r"^nn\.Module: TowerLayer_\d+$|fish_omni[/\\]codebook_tower\.py\(\d+\): forward$")
