@@ -85,8 +85,8 @@ def register(sub) -> None:
                    help="seconds the server's processes get to end on TERM before KILL (default 60)")
     r.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     r.add_argument("--require-stall-free", type=float, metavar="C",
-                   help="fail row g unless every concurrency-1 stream plays without a stall once C seconds of "
-                        "audio are buffered (for the cards; a CPU host is far slower than real time)")
+                   help="fail row g unless every concurrency-1 stream plays without a stall when its player starts "
+                        "C seconds of wall time after its first audio, D <= C (for the cards: a CPU host is slow)")
     r.add_argument("--no-profile", action="store_true", help="skip the per-frame time (stage 0 is then served "
                                                             "without a profiler_config)")
     r.add_argument("--profile-steps", type=int, default=24,
