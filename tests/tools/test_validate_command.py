@@ -231,16 +231,20 @@ def _clone(arrivals, frames=10):
     return sent
 
 
-@pytest.mark.parametrize("arrivals, passed, says", [
-    ([[1.0, 1.5, 2.0], [1.2, 1.7, 2.2]], True, "chunks per clone: 3, 3"),
-    ([[1.0], [1.2, 1.7]], False, "1 of 2 clones arrived in one piece"),
-    ([[1.0, 1.0005, 1.001], [1.2, 1.2004]], False, "2 of 2 clones arrived in one piece (fewer than 2 chunks, or "
-                                                     "the first audio less than 10 ms before the last chunk)"),
-], ids=["streamed", "one-chunk", "buffered-then-sent"])
-def test_row_b_requires_each_clone_to_stream(arrivals, passed, says):
+@pytest.mark.parametrize("clones, passed, says", [
+    ([([1.0, 1.5, 2.0], 10), ([1.2, 1.7, 2.2], 10)], True, "chunks per clone: 3, 3"),
+    ([([1.0], 10), ([1.2, 1.7], 10)], False, "1 of 2 clones arrived in one piece"),
+    ([([1.0, 1.0005, 1.001], 10), ([1.2, 1.2004], 10)], False,
+     "2 of 2 clones arrived in one piece (fewer than 2 chunks, or the first audio less than 10 ms before the "
+     "last chunk)"),
+    ([([1.0, 1.5], 10), ([1.2], 6)], True, "1 ended within the first 6-frame window (not judged for streaming)"),
+    ([([1.0], 5), ([1.2], 6)], False, "no clone ran past the first window, so none shows it streamed"),
+], ids=["streamed", "one-chunk", "buffered-then-sent", "one-short", "all-short"])
+def test_row_b_requires_each_clone_to_stream(clones, passed, says):
+    """A clone of more frames than the codec's first window (6) must stream; a shorter one cannot."""
     run = verdict.Run(profile="p", model="m", tp=1, ep=False, compiled=False,
                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
-    run.clones(phases.Phase(sent=[_clone(a) for a in arrivals]), [])
+    run.clones(phases.Phase(sent=[_clone(arrivals, frames) for arrivals, frames in clones]), [])
     assert run.checks["b"].passed is passed and says in run.checks["b"].detail, run.checks["b"].detail
 
 
