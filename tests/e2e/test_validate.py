@@ -58,6 +58,10 @@ def test_validate_at_tp2_passes_every_phase_and_counts_what_it_checked(tp2):
     assert f"{counts['resumes_verified']} history verified by content" in checks["c"]["detail"]
     assert counts["tp_steps_checked"] > 0, counts
     assert report["ended"] == "completed" and report["first_failed"] is None and report["diagnosis"] == []
+    # row a eager; row b streamed (its chunks per clone); row f heard every stage-0 process (the
+    # engine core and both workers)
+    assert "stage 0 eager" in checks["a"]["detail"] and "chunks per clone: " in checks["b"]["detail"], checks
+    assert "records from 3 stage-0 process(es)" in checks["f"]["detail"], checks["f"]
 
 
 def test_validate_at_tp2_reports_each_role_and_the_stage0_ranks_patches(tp2):
