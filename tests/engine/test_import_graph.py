@@ -19,7 +19,6 @@ import drama3_patches
 
 PACKAGE = Path(drama3_patches.__file__).parent
 KNOWN = {
-    frozenset({"drama3_patches.kernels.norms", "drama3_patches.kernels.npu_fused"}),
     frozenset({"drama3_patches.tools.bench.playout", "drama3_patches.tools.bench.speech"}),
 }
 

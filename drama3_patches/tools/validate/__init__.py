@@ -84,8 +84,8 @@ def register(sub) -> None:
                    help="seconds the server's processes get to end on TERM before KILL (default 60)")
     r.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     r.add_argument("--require-stall-free", type=float, metavar="C",
-                   help="fail row g unless every concurrency-1 stream plays without a stall once C seconds of "
-                        "audio are buffered (for the cards; a CPU host is far slower than real time)")
+                   help="fail row g unless every concurrency-1 stream plays without a stall when its player starts "
+                        "C seconds of wall time after its first audio, D <= C (for the cards: a CPU host is slow)")
     r.add_argument("--no-profile", action="store_true", help="skip the per-frame time (stage 0 is then served "
                                                             "without a profiler_config)")
     r.add_argument("--profile-steps", type=int, default=24,
@@ -261,7 +261,7 @@ def _run(args, name, loaded, out, began: float, started_at: float, say, signals:
             import yaml
 
             out.write("deploy.yaml", yaml.safe_dump(served, sort_keys=False))
-            server_env = isolated_python.environ(dict(os.environ, **{env.REPORT_DIR: str(reports),
+            server_env = isolated_python.environ(dict(os.environ, **logscan.SERVER_ENV, **{env.REPORT_DIR: str(reports),
                                                                      env.RESUME_CHECK: "1"}))
             if tp > 1:
                 server_env[env.TP_CHECK] = "1"
@@ -387,7 +387,7 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
 
     ready, waited, why = server.wait_ready(srv, port, args.start_timeout, tick=tick)
     scan.poll()
-    run_.startup(ready, waited, why, scan.stage0_captures(ctx.roles()))
+    run_.startup(ready, waited, why, scan.stage0_graphs(ctx.roles()))
     say(f"a. start-up: {'ready' if ready else 'FAILED'} after {waited:.0f} s {why}")
     if not ready:
         return
