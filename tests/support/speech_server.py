@@ -131,6 +131,7 @@ class SpeechServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.trickle_after: int | None = None  # requests after this many trickle, whatever their spec
+        self.trickling = threading.Event()  # set once a trickling response has sent its first byte
         # vLLM-Omni's profiler endpoints (served when a stage has a profiler_config): 404 when off;
         # on_stop_profile() runs before /stop_profile answers, as the worker writes its trace.
         self.profiler = True
@@ -257,6 +258,7 @@ class SpeechServer:
                 mode = spec["mode"]
                 if mode == "trickle":
                     self._chunk(b":")
+                    server.trickling.set()
                     end = time.monotonic() + spec["trickle"]
                     while time.monotonic() < end:
                         time.sleep(0.05)
