@@ -922,6 +922,26 @@ def test_the_deadline_ends_a_trickling_http10_response(tmp_path):
     assert 2.0 <= took < 20.0
 
 
+@pytest.mark.forked
+def test_a_request_that_begins_after_ctrl_c_is_cut_and_the_next_level_streams(tmp_path):
+    """A worker that took its line before the Ctrl-C but reaches its deadline after ``expire_all``
+    (still building the body) fails with the deadline's error and never reaches the server (which
+    would trickle for 5 s and end it as a truncated stream); a level started afterwards streams."""
+    (tmp_path / "ref.wav").write_bytes(ref_wav(1))
+    trickles = sb.MetaLine("u", "mode=trickle trickle=5", str(tmp_path / "ref.wav"), "text")
+    speaks = sb.MetaLine("v", "audio=0.25", str(tmp_path / "ref.wav"), "text")
+    settings = sb.Settings(url="", timeout=60)
+    with SpeechServer() as server:
+        settings.url = server.url
+        sb.expire_all()  # the Ctrl-C, with no request in flight yet
+        res = sb.speak(trickles, settings)
+        received = len(server.requests)
+        level = sb.run_level([speaks], 1, settings)
+    assert not res.ok and res.error == "deadline: no complete response within --timeout 60 s", res.error
+    assert received == 0
+    assert [(r.utt, r.ok, r.error) for r in level.results] == [("v", True, "")]
+
+
 def test_ctrl_c_keeps_the_completed_levels_and_cuts_the_requests_in_flight(tmp_path):
     """SIGINT while the second level's request trickles (it would for 30 s): exit 130, the first
     level's figures are in the table and the JSON with a note saying what was left out, and the
