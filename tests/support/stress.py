@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             began = time.monotonic()
             got, status = one_round(args, tests, Path(tmp) / f"round{n}.xml")
             failed = sorted(t for t, ok in got.items() if not ok)
-            runs.update(got)
+            runs.update(got.keys())
             failures.update(failed)
             broken += not got
             print(f"round {n}/{args.rounds}: {len(got)} run, {len(failed)} failed, pytest exit {status}, "
