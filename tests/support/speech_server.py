@@ -229,8 +229,11 @@ class SpeechServer:
                     emit(wav_header(rate))
                 at = 0
                 for i, n in enumerate(pieces):
-                    # each chunk at its scheduled time from the request's start: no drift
-                    time.sleep(max(0.0, spec["first"] + times[i] - (time.perf_counter() - t0)))
+                    # the first samples at `first` from the request's start, each later chunk at its
+                    # scheduled time from the first one's actual send: no drift, and a first chunk a
+                    # loaded host sent late does not squeeze the rest of the stream together
+                    due = spec["first"] if i == 0 else sent[0] - t0 + times[i]
+                    time.sleep(max(0.0, due - (time.perf_counter() - t0)))
                     if spec["mode"] == "cut" and i == len(pieces) // 2:
                         self._leave()
                         self.wfile.write(b"400\r\npartial")  # a chunk that never completes

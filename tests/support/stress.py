@@ -45,22 +45,28 @@ TIMING_SENSITIVE = [
 HOG = "while True:\n    pass\n"
 
 
-def _outcomes(xml_path: Path) -> dict[str, bool]:
-    """test id -> passed, for every test that ran (skipped ones are left out)."""
+def _outcomes(xml_path: Path) -> dict[str, str | None]:
+    """test id -> None when it passed, else its failure's message, for every test that ran
+    (skipped ones are left out)."""
     out = {}
     for case in ET.parse(xml_path).iter("testcase"):
         if case.find("skipped") is not None:
             continue
         test = f"{case.get('classname')}::{case.get('name')}"
-        out[test] = case.find("failure") is None and case.find("error") is None
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        out[test] = None if bad is None else (bad.get("message") or bad.text or "(no message)")
     return out
+
+
+def _first_lines(message: str, n: int = 3) -> str:
+    return "\n    ".join(line[:200] for line in message.strip().splitlines()[:n])
 
 
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def one_round(args, tests: list[str], xml_path: Path) -> tuple[dict[str, bool], int]:
+def one_round(args, tests: list[str], xml_path: Path) -> tuple[dict[str, str | None], int]:
     """(outcomes, pytest's exit status) of one pytest run beside ``args.hogs`` busy loops."""
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rf", f"--junitxml={xml_path}"]
@@ -102,12 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(1, args.rounds + 1):
             began = time.monotonic()
             got, status = one_round(args, tests, Path(tmp) / f"round{n}.xml")
-            failed = sorted(t for t, ok in got.items() if not ok)
+            failed = sorted(t for t, why in got.items() if why is not None)
             runs.update(got.keys())
             failures.update(failed)
             broken += not got
+            said = "".join(f"\n  FAILED {t}\n    {_first_lines(got[t])}" for t in failed)
             print(f"round {n}/{args.rounds}: {len(got)} run, {len(failed)} failed, pytest exit {status}, "
-                  f"{time.monotonic() - began:.0f} s" + "".join(f"\n  FAILED {t}" for t in failed), flush=True)
+                  f"{time.monotonic() - began:.0f} s{said}", flush=True)
     print(f"\n{args.rounds} round(s), {args.hogs} hog(s), cores {args.cpus or 'all'}, "
           f"{args.workers or 'no'} xdist worker(s), SIGINT {args.sigint}")
     if not failures and not broken:
