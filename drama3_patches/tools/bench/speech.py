@@ -265,11 +265,17 @@ def _connection(url: str, timeout: float):
 
 _ACTIVE: set = set()  # the deadlines of the requests in flight, for expire_all
 _ACTIVE_LOCK = threading.Lock()
+# Set by expire_all, cleared when a level starts: a worker that took its line before the Ctrl-C
+# but entered its deadline after it (building the body) is cut too, not left to run to --timeout
+# while the interpreter's exit waits for it.
+_STOPPED = threading.Event()
 
 
 def expire_all() -> None:
-    """End every request in flight now (Ctrl-C): each fails with its deadline's error."""
+    """End every request in flight now (Ctrl-C), and any that starts after: each fails with its
+    deadline's error."""
     with _ACTIVE_LOCK:
+        _STOPPED.set()
         active = list(_ACTIVE)
     for deadline in active:
         deadline.timer.cancel()
@@ -304,7 +310,11 @@ class Deadline:
     def __enter__(self):
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
-        self.timer.start()
+            stopped = _STOPPED.is_set()
+        if stopped:
+            self._expire()
+        else:
+            self.timer.start()
         return self
 
     def __exit__(self, *exc):
@@ -411,6 +421,8 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
     deadline = Deadline(conn, s.timeout)
     try:
         with deadline:
+            if deadline.expired:  # a Ctrl-C before this request began
+                raise TimeoutError("interrupted before the request was sent")
             conn.connect()  # bounded by the socket timeout; the deadline may pass during it
             deadline.connected()
             if deadline.expired:
@@ -553,6 +565,7 @@ def speak_kept(line: MetaLine, s: Settings) -> Result:
 
 def run_level(lines: list[MetaLine], concurrency: int, s: Settings, warmup: int = 0, progress=None) -> Level:
     """``progress``: an object with ``tick(ok)`` (see ``progress.make``), or None."""
+    _STOPPED.clear()  # a level after an interrupted one (a caller that went on) streams again
     for line in lines[:warmup]:
         speak_kept(line, s)  # excluded: first-request costs (graph warm-up, caches)
 
