@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -99,6 +100,7 @@ class Prometheus:
         return get_json(f"{self.url}/api/v1/alerts")["data"]["alerts"]
 
     def query(self, expr: str) -> list[dict]:
+        """The instant vector ``expr`` gives now; raises for a query Prometheus rejects."""
         url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         return get_json(url)["data"]["result"]
 
@@ -182,3 +184,68 @@ def end_child(proc: subprocess.Popen) -> None:
             proc.wait(10)
     proc.stdout.close()
     proc.errfile.close()
+
+
+# -- the dashboard's queries ----------------------------------------------------------------------
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(where, expression) of every panel target and query variable of the dashboard."""
+    dashboard = json.loads(DASHBOARD_FILE.read_text())
+    out = [(f"panel {panel['title']!r} {t['refId']}", t["expr"])
+           for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    for v in dashboard["templating"]["list"]:
+        if v["type"] == "query":  # Grafana's label_values(SERIES, LABEL): the label's values on SERIES
+            series, label = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", v["query"]["query"]).groups()
+            out.append((f"variable {v['name']}", f"group by ({label}) ({series})"))
+    return out
+
+
+def grafana_substituted(expr: str, rate_interval: str = "1m") -> str:
+    """``expr`` with the dashboard's variables as Grafana fills them: "All" for the multi-value
+    ones, each other variable's default, ``$__rate_interval`` given."""
+    dashboard = json.loads(DASHBOARD_FILE.read_text())
+    values = {"__rate_interval": rate_interval}
+    for v in dashboard["templating"]["list"]:
+        if v.get("includeAll"):
+            values[v["name"]] = v.get("allValue", ".*")
+        elif v["type"] == "custom":
+            values[v["name"]] = v["current"]["value"]
+        elif v["type"] == "constant":
+            values[v["name"]] = v["query"]
+    for name in sorted(values, key=len, reverse=True):  # $sample_rate before a shorter prefix
+        expr = expr.replace(f"${name}", values[name])
+    assert "$" not in expr, expr
+    return expr
+
+
+class Pages:
+    """A loopback HTTP server that answers its n-th GET with ``pages[min(n, last)]`` (text format)."""
+
+    def __init__(self, pages: list[str]) -> None:
+        import http.server
+        import threading
+
+        served = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                body = pages[min(served.gets, len(pages) - 1)].encode()
+                served.gets += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.gets = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.target = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
