@@ -20,7 +20,7 @@ import importlib
 import sys
 import traceback
 
-COMMANDS = ("status", "list", "deploy_config", "plan", "doctor", "bench", "tiny_model", "validate")
+COMMANDS = ("status", "list", "deploy_config", "plan", "doctor", "bench", "tiny_model", "validate", "overlay")
 
 
 def build_parser() -> argparse.ArgumentParser:
