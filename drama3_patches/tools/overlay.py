@@ -200,6 +200,7 @@ def size_bytes(root: str) -> int:
 def write(path: str, python: str | None) -> dict:
     """Write the overlay at ``path``; what was written (also in DIR/drama3-overlay.json)."""
     from drama3_patches import __version__
+    from drama3_patches.tools.files import InputError
 
     check_target(path)
     reqs = requirements()
@@ -222,7 +223,10 @@ def write(path: str, python: str | None) -> dict:
         with open(os.path.join(build, RECORD), "w") as fh:
             json.dump(record, fh, indent=1)
         _open_up(build)
-        os.rename(build, path)  # onto an absent or empty folder: whole or not at all
+        try:
+            os.rename(build, path)  # onto an absent or empty folder: whole or not at all
+        except OSError as exc:  # DIR appeared (or filled) since it was checked
+            raise InputError(f"{path}: cannot put the overlay there ({exc.strerror}): give a new folder") from None
     except BaseException:
         shutil.rmtree(build, ignore_errors=True)
         raise
