@@ -194,8 +194,8 @@ def install_trigger(modules) -> TriggerFinder:
 
 
 def manifest_path() -> str:
-    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's
-    (``env.manifest_path`` calls this; here it needs no import of env)."""
+    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's.
+    The one place that says so (the manifest loader asks here): it needs no import of env."""
     override = os.environ.get(_MANIFEST)
     if override:
         return override
@@ -220,24 +220,65 @@ def cache_dir() -> str | None:
     return os.path.join(base, "drama3_patches")
 
 
-def _check_private(st: os.stat_result) -> None:
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise PermissionError("the start-up cache is not private to this user")
+_NOT_PRIVATE = "the start-up cache is not private to this user"
 
 
-def _open_cache_dir(folder: str, create: bool) -> int:
-    """A descriptor of the cache folder, checked private (the last component is never a link)."""
-    if create:
+def check_private(st: os.stat_result, error=PermissionError, foreign=None, writable=None) -> None:
+    """Raise ``error`` when ``st`` is not this user's, or group or others may write it.
+
+    ``foreign(uid)`` and ``writable(mode)`` word the message, so each caller keeps the words and the
+    exception class its operators know (the start-up cache's one line, the report folder's, the
+    kernel cache's ``UnsafeCache``)."""
+    if st.st_uid != os.geteuid():
+        raise error(foreign(st.st_uid) if foreign else _NOT_PRIVATE)
+    if st.st_mode & 0o022:
+        raise error(writable(st.st_mode & 0o7777) if writable else _NOT_PRIVATE)
+
+
+def _make_private(folder: str) -> None:
+    """Create ``folder`` and every missing parent, each 0700 (``os.makedirs`` would give the
+    parents the umask's mode, 0755 as a rule)."""
+    missing = []
+    path = folder
+    while True:
         try:
-            os.mkdir(folder, 0o700)
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if not parent or parent == path:
+                raise
+            missing.append(path)
+            path = parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
         except FileExistsError:
             pass
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(folder), exist_ok=True)
-            os.mkdir(folder, 0o700)
-    fd = os.open(folder, _O_READ | os.O_DIRECTORY)
+
+
+def open_private_dir(folder, create: bool = False, error=PermissionError, foreign=None, writable=None,
+                     link=None) -> int:
+    """A descriptor of ``folder`` (created 0700 with 0700 parents when ``create``), checked private.
+
+    The one opener of the package's private folders (the start-up cache, the kernel cache, the
+    report folder): the last component is never followed (``O_NOFOLLOW``; a link there raises
+    ``error`` with ``link()``'s words), and the checks are made on the open descriptor, so work
+    done through it is unaffected by whoever renames the path afterwards. ``error``, ``foreign``
+    and ``writable`` as for :func:`check_private`."""
+    folder = os.fspath(folder)
+    if create:
+        _make_private(os.path.normpath(folder))
     try:
-        _check_private(os.fstat(fd))
+        fd = os.open(folder, _O_READ | os.O_DIRECTORY)
+    except OSError as exc:
+        if os.path.islink(folder):  # O_NOFOLLOW|O_DIRECTORY on a link: ENOTDIR or ELOOP
+            raise error(link() if link else _NOT_PRIVATE) from None
+        raise exc from None
+    try:
+        check_private(os.fstat(fd), error, foreign, writable)
     except BaseException:
         os.close(fd)
         raise
@@ -254,7 +295,7 @@ def _read_entries(dir_fd: int) -> list[str]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > CACHE_MAX_BYTES:
             raise PermissionError("the start-up cache is not a small regular file")
-        _check_private(st)
+        check_private(st)
         chunks, left = [], CACHE_MAX_BYTES + 1
         while left > 0:
             chunk = os.read(fd, left)
@@ -319,7 +360,7 @@ def _from_cache(path: str) -> list[str] | None:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             return None
-        dir_fd = _open_cache_dir(folder, create=False)
+        dir_fd = open_private_dir(folder, create=False)
         try:
             entries = _read_entries(dir_fd)
         finally:
@@ -343,7 +384,7 @@ def _store(path: str, st: os.stat_result, modules: list[str]) -> None:
             return
         if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS:
             return
-        dir_fd = _open_cache_dir(folder, create=True)
+        dir_fd = open_private_dir(folder, create=True)
         try:
             try:
                 entries = _read_entries(dir_fd)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drama3_patches.env import PLATFORMS, manifest_path
+from drama3_patches._bootstrap import manifest_path
+from drama3_patches.env import PLATFORMS
 from drama3_patches.reader import read_manifest_text
 
 IMPLEMENTATION_PREFIX = "drama3_patches.patches."

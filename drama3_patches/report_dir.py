@@ -248,6 +248,19 @@ def collect(directory: str, trust: tuple = (), cache: Cache | None = None) -> Co
     return result
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None where
+    that cannot be read. A pid and its start tell one process apart from a later one of the same pid
+    (the writer records its own in the report's ``process`` block)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            raw = fh.read(4096)
+        # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last.
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -284,8 +297,6 @@ def liveness(proc: dict, here: str) -> str:
     is not the writer: its start differs from the ``start_ticks`` the report recorded, or (a
     report without them) it started after the report was written.
     """
-    from drama3_patches.engine.state import start_ticks
-
     host = proc.get("host")
     if host is None or host != here:
         return "remote"

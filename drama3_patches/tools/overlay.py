@@ -28,8 +28,11 @@ PROBE_TIMEOUT_S = 60
 PIP_TIMEOUT_S = 600
 
 # Run by the image's Python: what it has of the given distributions, and its own sitecustomize.
-PROBE = """
-import importlib.metadata as m, importlib.machinery as mach, json, platform, sys
+# Its first line drops the working folder from sys.path before anything is imported from it (a
+# planted json.py there must not run as root; -P is 3.11+, and -I would hide the image's view).
+PROBE = """import sys
+del sys.path[0]
+import importlib.metadata as m, importlib.machinery as mach, json, platform
 def version(name):
     try:
         return m.version(name)
@@ -173,9 +176,11 @@ def _package_source() -> tuple[str, str]:
 def _pip(python: str, target: str, reqs: list) -> None:
     from drama3_patches.tools.files import InputError
 
-    argv = [sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--disable-pip-version-check",
-            "--no-deps", "--no-compile", "--target", target, *map(str, reqs)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    from drama3_patches.tools import isolated_python
+
+    proc = isolated_python.run("-m", "pip", "--python", python, "install", "--quiet", "--disable-pip-version-check",
+                               "--no-deps", "--no-compile", "--target", target, *map(str, reqs),
+                               timeout=PIP_TIMEOUT_S, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise InputError(f"pip could not fetch {', '.join(map(str, reqs))} for {python} ({last}); offline, "

@@ -1,10 +1,13 @@
-"""The package's import graph has no circle, counting every ``import`` statement (those inside
-functions too, which run later but still tie two modules together).
+"""Tier 1: the package's import graph has no circle, beyond the one still on record.
 
-An edge goes from a module to the module whose names it takes: ``from a.b import c`` is an edge to
-``a.b.c`` when that is a module of the package, else to ``a.b`` (the package's ``__init__``);
-``import a.b`` is an edge to ``a.b``. Names resolved from strings (the start-up hooks,
-``importlib.import_module``) are not statements and not counted.
+Every import statement counts, also those inside functions (they run as soon as the function
+does). ``from pkg import name`` is an edge to the submodule ``pkg.name`` where there is one,
+else to ``pkg`` itself; the implicit import of a parent package by its submodule is not counted.
+Circles are the strongly connected components of that graph (more than one module).
+
+``KNOWN`` are the circles this test found and that are still to be taken apart (issue 39): the
+test fails on any other, so a new circle is never added unnoticed, and a known one that is taken
+apart simply stops being found.
 """
 
 from __future__ import annotations
@@ -12,97 +15,110 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
+import drama3_patches
 
-from support.subproc import ROOT
+PACKAGE = Path(drama3_patches.__file__).parent
+KNOWN = {
+    frozenset({"drama3_patches.kernels.norms", "drama3_patches.kernels.npu_fused"}),
+}
 
-nx = pytest.importorskip("networkx", reason="the import graph's circles are found with networkx")
 
-
-def modules(root: Path, package: str) -> dict[str, Path]:
-    """Every module of ``package`` under ``root``, by dotted name (a package by its ``__init__``)."""
+def _modules(package: Path) -> dict[str, Path]:
     out = {}
-    for path in sorted((root / package).rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = (package.name, *path.relative_to(package).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
 
 
-def _absolute(name: str, is_package: bool, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    base = name.split(".")
-    base = base[:len(base) - node.level + (1 if is_package else 0)]
-    return ".".join(base + ([node.module] if node.module else []))
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    mods = _modules(package)
 
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
 
-def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports anywhere in its body."""
-    mods = modules(root, package)
-    graph: dict[str, set[str]] = {name: set() for name in mods}
+    graph = {}
     for name, path in mods.items():
-        is_package = path.name == "__init__.py"
+        deps = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
             if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
+                targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = _absolute(name, is_package, node)
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            graph[name].update(t for t in targets if t in mods and t != name)
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+                targets = subs + ([base] if len(subs) < len(node.names) else [])
+            else:
+                continue
+            deps.update(t for t in map(owner, targets) if t and t != name)
+        graph[name] = deps
     return graph
 
 
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Each strongly connected group of more than one module, as one shortest circle through it
-    (enough to name the modules to untie), sorted."""
-    g = nx.DiGraph([(a, b) for a, targets in graph.items() for b in targets])
-    found = []
-    for group in nx.strongly_connected_components(g):
-        if len(group) > 1:
-            start = min(group)
-            back = min((a for a in group if g.has_edge(a, start)),
-                       key=lambda a: nx.shortest_path_length(g.subgraph(group), start, a))
-            found.append(nx.shortest_path(g.subgraph(group), start, back) + [start])
-    return sorted(found)
+def circles(graph: dict[str, set[str]]) -> set[frozenset]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index, low, on, stack, found = {}, {}, set(), [], set()
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            node, deps = work[-1]
+            for dep in deps:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on.add(dep)
+                    work.append((dep, iter(sorted(graph[dep]))))
+                    break
+                if dep in on:
+                    low[node] = min(low[node], index[dep])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = set()
+                    while True:
+                        member = stack.pop()
+                        on.discard(member)
+                        comp.add(member)
+                        if member == node:
+                            break
+                    if len(comp) > 1:
+                        found.add(frozenset(comp))
+    return found
 
 
-def test_the_package_has_no_import_circle():
-    graph = import_graph(ROOT, "drama3_patches")
-    # the graph is the package's: the engine's rooms and the tools' are in it, with their edges
-    assert {"drama3_patches.engine.core", "drama3_patches.tools.bench.playout"} <= graph.keys()
-    assert "drama3_patches.engine.state" in graph["drama3_patches.engine.core"]
+def test_the_finder_sees_a_circle_closed_inside_a_function(tmp_path):
+    """The negative control: a package whose ``b`` imports ``a`` back only inside a function (as
+    engine.state's lazy import of the engine package did) has a circle; without that line, none."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("import os\n\ndef f():\n    from pkg.sub import g\n    return g\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.sub"}
+    assert circles(graph) == {frozenset({"pkg.sub", "pkg.sub.b"})}
+    (pkg / "sub" / "b.py").write_text("import os\n")
+    assert circles(import_graph(pkg)) == set()
+
+
+def test_the_package_has_no_import_circle_but_the_known_ones():
+    graph = import_graph()
+    assert {"drama3_patches._bootstrap", "drama3_patches.env", "drama3_patches.engine.state"} <= set(graph)
     found = circles(graph)
-    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
-
-
-def _write(root: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-
-
-def test_a_circle_through_an_import_inside_a_function_is_found(tmp_path):
-    """Negative control: a throw-away package with two circles, one closed only by an import inside
-    a function and one through a package's ``__init__``; a third module is imported by both sides
-    without closing a circle."""
-    _write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg import b\nfrom . import leaf\n",
-        "pkg/b.py": "import pkg.leaf\n\ndef late():\n    from .a import x\n    return x\n",
-        "pkg/leaf.py": "import os\n",
-        "pkg/sub/__init__.py": "from .state import s\n",
-        "pkg/sub/state.py": "def get():\n    from pkg.sub import engine\n    return engine\n",
-    })
-    graph = import_graph(tmp_path, "pkg")
-    assert graph["pkg.a"] == {"pkg.b", "pkg.leaf"} and graph["pkg.b"] == {"pkg.a", "pkg.leaf"}
-    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.a"], ["pkg.sub", "pkg.sub.state", "pkg.sub"]]
-
-
-def test_a_graph_without_circles_gives_none(tmp_path):
-    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from . import leaf\n", "pkg/leaf.py": "import os\n"})
-    graph = import_graph(tmp_path, "pkg")
-    assert graph["pkg.a"] == {"pkg.leaf"} and circles(graph) == []
+    assert found <= KNOWN, [sorted(c) for c in found - KNOWN]
+    for module, dep in (("drama3_patches.env", "drama3_patches._bootstrap"),
+                        ("drama3_patches.engine.state", "drama3_patches.engine")):
+        assert dep not in graph[module], f"{module} imports {dep}"

@@ -294,6 +294,7 @@ def test_only_this_runs_reports_count(tmp_path):
 
 def test_force_removes_an_earlier_runs_outputs_and_nothing_else(tmp_path):
     from drama3_patches.tools import validate
+    from drama3_patches.tools.validate.outdir import OutFolder
 
     out = tmp_path / "out"
     (out / "reports").mkdir(parents=True)
@@ -305,7 +306,10 @@ def test_force_removes_an_earlier_runs_outputs_and_nothing_else(tmp_path):
     outside.mkdir()
     (outside / "keep").write_text("x")
     (out / "refs").symlink_to(outside)
-    validate._clear_outputs(out)
+    folder = OutFolder(out)
+    folder.check(force=True)
+    validate._clear_outputs(folder)
+    folder.close()
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
     assert (outside / "keep").is_file()  # a link is removed, never followed
 

@@ -9,7 +9,9 @@ not grow with the log.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections import Counter, deque
 
 from drama3_patches.tools.validate import diagnose
@@ -113,11 +115,14 @@ class LogScan:
 
     def poll(self, until: int | None = None) -> None:
         """Read what the log gained since the last call (up to byte ``until``), line by line."""
-        try:
-            fh = open(self.path, "rb")
+        try:  # the log validate made: a link or a FIFO put in its place is not read (nor waited on)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return
-        with fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return
+        with os.fdopen(fd, "rb") as fh:
             fh.seek(self.offset)
             while until is None or self.offset < until:
                 want = CHUNK if until is None else min(CHUNK, until - self.offset)

@@ -97,6 +97,19 @@ def _post(url: str, body: dict, timeout: float) -> None:
         raise ProfileError(f"POST {url}: {type(exc).__name__}: {exc}") from None
 
 
+STOP_AFTER_SIGNAL_S = 5.0  # a server that does not answer must not hold a run a signal ended
+
+
+def stop_after_signal(url: str, timeout: float = STOP_AFTER_SIGNAL_S) -> str | None:
+    """``/stop_profile`` once a signal cut the window short, waiting at most ``timeout`` seconds;
+    None, or why it did not answer (a note for the report, never an exception)."""
+    try:
+        _post(f"{url}/stop_profile", {"stages": [0]}, timeout)
+    except ProfileError as exc:
+        return str(exc)
+    return None
+
+
 def find_trace(trace_dir: Path, since: float = 0.0) -> Path | None:
     """Rank 0's newest trace file under ``trace_dir`` written after ``since`` (a bounded walk: the
     first 2000 folders, links not followed)."""
@@ -148,11 +161,12 @@ def measure(url: str, line, trace_dir: Path, *, steps: int, delay: int, timeout:
     control = min(timeout, CONTROL_TIMEOUT_S)
     try:
         _post(f"{url}/start_profile", {"stages": [0]}, control)
-        try:
-            result = speak_kept(line, Settings(url=url, timeout=timeout,
-                                               extra={"max_new_tokens": frames, "seed": 3000}))
-        finally:
-            _post(f"{url}/stop_profile", {"stages": [0]}, timeout)  # may wait for the trace's writing
+        # speak_kept never raises for what a server does: what escapes is a signal (validate's
+        # Interrupted), which must stay what it is; validate then posts the stop itself, bounded,
+        # once its report is written (stop_after_signal)
+        result = speak_kept(line, Settings(url=url, timeout=timeout,
+                                           extra={"max_new_tokens": frames, "seed": 3000}))
+        _post(f"{url}/stop_profile", {"stages": [0]}, timeout)  # may wait for the trace's writing
         if not result.ok:
             raise ProfileError(f"the profiled request failed: {result.error}")
         if say:

@@ -8,7 +8,6 @@ is a failed check saying so, never a pass. ``report.json`` keeps ``passed``, ``c
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 
 VERSIONED = ("vllm", "vllm-ascend", "vllm-omni", "torch", "torch-npu", "drama3-patches")
@@ -225,11 +224,10 @@ class Run:
         return "\n".join(head) + "\n"
 
     def write(self, out) -> None:
-        """``report.json`` and ``report.md`` in ``out``, each replaced whole (never half written)."""
+        """``report.json`` and ``report.md`` in ``out`` (an ``outdir.OutFolder``), each replaced
+        whole through the folder's descriptor (never half written, never through a link)."""
         for name, text in (("report.json", self.json()), ("report.md", self.markdown())):
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, out / name)
+            out.write(name, text)
 
 
 def _ms(value) -> str:
