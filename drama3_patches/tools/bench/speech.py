@@ -38,6 +38,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from drama3_patches.tools.bench.stats import percentile
 from drama3_patches.tools.files import MIB, InputError, read_text
 
 SPEECH_PATH = "/v1/audio/speech"
@@ -469,17 +470,6 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
         if s.keep_audio:
             res.audio = b"".join(counter.chunks)
     return res
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default, which vLLM's benchmark uses)."""
-    if not values:
-        return None
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 PERCENTILES = (50, 99)

@@ -370,7 +370,7 @@ def _ms(evs: list[_Ev]) -> float:
 
 
 def _percentile(values: list[float], q: float) -> float | None:
-    from drama3_patches.tools.bench.speech import percentile
+    from drama3_patches.tools.bench.stats import percentile
 
     return percentile(values, q)
 
