@@ -256,17 +256,17 @@ def frame_time(inputs: Inputs, n: int, graph: str, k: Constants, wl: Workload) -
     comp["dac"] = dac_dev * n * FRAME_MS / 1e3  # the step's audio, decoded on the card it shares
     device = sum(comp[t] for t in DEVICE_TERMS)
     step = max(host, device)
-    stage0 = n * FRAME_MS / step if step > 0 else math.inf
-    # Stage 1's own host process dispatches its launches: it caps audio s/s on its own.
-    stage1 = 1e3 / dac_host if dac_host > 0 else math.inf
-    audio = min(stage0, stage1)
-    if stage1 < stage0:
+    # Stage 1's own host process dispatches its launches: the frame time it allows n streams.
+    stage1 = n * FRAME_MS * dac_host / 1e3
+    per_frame = max(step, stage1)
+    audio = n * FRAME_MS / per_frame if per_frame > 0 else math.inf
+    if stage1 > step:
         bound = "dac host dispatch (stage 1)"
     elif host >= device:
         bound = "host_dispatch"
     else:
         bound = max(DEVICE_TERMS, key=lambda t: comp[t])
-    return {"concurrency": n, "graph": graph, "ms_per_frame": n * FRAME_MS / audio, "step_ms": step,
+    return {"concurrency": n, "graph": graph, "ms_per_frame": per_frame, "step_ms": step,
             "host_ms": host, "device_ms": device, "audio_s_per_s": audio, "rtf": n / audio,
             "bound": bound, "launches": launches, "replays": replays, "components_ms": comp}
 
