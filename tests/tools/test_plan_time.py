@@ -297,3 +297,18 @@ def test_calibrate_fits_on_the_cards_frame_time_and_prints_measured_against_mode
     assert t["calibration"]["modelled"]["step"] == pytest.approx(step)
     rc, text, _ = run_plan(fish, "--card", "910b1", "--tp", "2", "--ep", "--time", "-q", "--calibrate", str(path))
     assert "measured against modelled" in text and "outside_forward" in text and "120.0" in text
+
+
+def test_launch_table_from_engine_summaries_sums_the_runner_and_model_state():
+    """The e2e tier compares the engine's count with the table through this conversion."""
+    def summary(scale):
+        return {"components": {"backbone: MoE": {"launches": 7 * scale, "views": 3}, "runner": {"launches": 5 * scale},
+                               "model state": {"launches": 2 * scale}, "sampler": {"launches": scale}}}
+    table = launch_table.from_summaries({"fused": {1: summary(1), 64: summary(2)}})
+    assert table == {"fused": {"backbone: MoE": (7, 14), "sampler": (1, 2), "outside the forward": (7, 14)}}
+    # the shipped table's rows are the engine's component names (benchmarks/dispatch.py's)
+    from support.dispatch import OUTSIDE_FORWARD, TOWER_AND_SAMPLER
+
+    names = set(launch_table.LAUNCHES["fused"])
+    assert set(TOWER_AND_SAMPLER) <= names and not set(OUTSIDE_FORWARD) & names
+    assert set(launch_table.LAUNCHES["eager"]) == names
