@@ -312,3 +312,29 @@ def test_launch_table_from_engine_summaries_sums_the_runner_and_model_state():
     names = set(launch_table.LAUNCHES["fused"])
     assert set(TOWER_AND_SAMPLER) <= names and not set(OUTSIDE_FORWARD) & names
     assert set(launch_table.LAUNCHES["eager"]) == names
+
+
+def test_zero_launch_cost_option_leaves_no_host_dispatch_in_the_json(fish):
+    rc, out, err = run_plan(fish, "--card", "910b1", "--tp", "2", "--ep", "--time", "--json", "-q",
+                            "--launch-us", "0", "--replay-us", "0")
+    assert rc in (0, 1), err
+    for lv in out["time"]["levels"]:
+        assert lv["components_ms"]["host_dispatch"] == 0
+        assert lv["ms_per_frame"] == pytest.approx(sum(lv["components_ms"][t] for t in timing.DEVICE_TERMS))
+    rc, out, _ = run_plan(fish, "--card", "910b1", "--tp", "2", "--ep", "--time", "--json", "-q", "--launch-us", "1")
+    assert all(lv["components_ms"]["host_dispatch"] > 0 for lv in out["time"]["levels"])  # the control
+
+
+def test_every_named_card_has_speed_figures_with_their_sources():
+    from drama3_patches.tools.plan.cards import CARDS, speed
+
+    for card in CARDS.values():
+        s = speed(card)
+        assert s is not None and s.sources and all(isinstance(x, str) and x for x in s.sources), card.name
+        assert s.hbm_gbps > 0 and s.bf16_tflops > 0 and s.fp32_tflops > 0 and s.link_gbps > 0
+    assert speed(lookup(None, 48.0)) is None  # a custom card: the options must give them
+
+
+def test_a_custom_card_without_speed_figures_is_one_line(fish):
+    rc, _, err = run_plan(fish, "--card-gib", "48", "--time", "-q")
+    assert rc == 2 and "--card-hbm-gbps" in err and len(err.strip().splitlines()) == 1, err
