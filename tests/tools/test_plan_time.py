@@ -338,3 +338,30 @@ def test_every_named_card_has_speed_figures_with_their_sources():
 def test_a_custom_card_without_speed_figures_is_one_line(fish):
     rc, _, err = run_plan(fish, "--card-gib", "48", "--time", "-q")
     assert rc == 2 and "--card-hbm-gbps" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_custom_card_with_its_bandwidths_given_is_timed(fish):
+    rc, out, err = run_plan(fish, "--card-gib", "48", "--time", "-q", "--json", "--card-hbm-gbps", "500",
+                            "--link-gbps", "20", "--launch-us", "10")
+    assert rc in (0, 1), err
+    k = out["time"]["constants"]
+    assert (k["hbm_gbps"], k["link_gbps"], k["bf16_tflops"]) == (500, 20, None)  # no throughput: bytes only
+    rc, text, err = run_plan(fish, "--card-gib", "48", "--time", "-q", "--card-hbm-gbps", "500", "--link-gbps", "20")
+    assert rc in (0, 1) and "bf16 not given TFLOPS" in text, err
+
+
+def test_calibrate_on_a_compiled_run_fits_and_compares_the_piecewise_path(fish, tmp_path):
+    report = {"stage0": {"compiled": True}, "bench": [{"max_concurrency": 1, "audio_throughput": 1.0}],
+              "frame_time": {"step_ms": {"p50": 30.0}}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    rc, out, err = run_plan(fish, "--card", "910b1", "--time", "--json", "-q", "--calibrate", str(path))
+    assert rc in (0, 1), err
+    t = out["time"]
+    L = T["num_hidden_layers"]
+    b1 = {name: row[0] for name, row in launch_table.LAUNCHES["fused"].items()}
+    launches = 2 * L + sum(b1[c] for c in launch_table.TOWER + launch_table.GLUE) + b1["outside the forward"]
+    assert t["fit"]["graph"] == "piecewise"
+    assert t["constants"]["launch_us"] == pytest.approx(1e3 * 30.0 / (launches + L + 1))
+    compared = [(lv["graph"], lv["concurrency"]) for lv in t["levels"] if "measured_audio_s_per_s" in lv]
+    assert compared == [("piecewise", 1)]

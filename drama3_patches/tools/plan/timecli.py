@@ -77,26 +77,29 @@ def compute(args, ckpt, plan, sums: dict) -> dict:
     report = calibrate.read_report(args.calibrate) if args.calibrate else None
     measured = report["levels"] if report else PORT_REFERENCE["levels"]
     fit = None
+    # the path the measurement ran: the port's eager; a validate report's stage 0 compiled or not
+    measured_graph = "piecewise" if report and report["stage0"].get("compiled") else "eager"
     if args.launch_us is not None:
         launch_us, source = args.launch_us, "--launch-us"
     else:
         frame_ms = calibrate.measured_frame_ms(report) if report else calibrate.c1_frame_ms(measured)
-        launch_us = calibrate.fit_launch_us(inputs, base, wl, frame_ms)
+        launch_us = calibrate.fit_launch_us(inputs, base, wl, frame_ms, measured_graph)
         source = (f"fitted on {args.calibrate}'s concurrency-1 frame time ({frame_ms:.1f} ms)" if report else
                   f"fitted on the port's concurrency-1 figure (0.569 audio s/s: {frame_ms:.1f} ms per frame, "
                   "eager, 2 x 910B1 TP2+EP)")
-        fit = {"frame_ms": frame_ms, "launch_us": launch_us, "source": source}
+        fit = {"frame_ms": frame_ms, "launch_us": launch_us, "source": source, "graph": measured_graph}
     k = replace(base, launch_us=launch_us, replay_us=args.replay_us if args.replay_us is not None else launch_us)
     levels = [timing.frame_time(inputs, n, g, k, wl) for g in args.time_graphs for n in args.time_levels]
     by_n = {lv["max_concurrency"]: lv["audio_throughput"] for lv in measured}
     for lv in levels:
-        if lv["graph"] == "eager" and lv["concurrency"] in by_n:
+        if lv["graph"] == measured_graph and lv["concurrency"] in by_n:
             m = by_n[lv["concurrency"]]
             lv["measured_audio_s_per_s"] = m
             lv["error"] = lv["audio_s_per_s"] / m - 1
     dac_dev, dac_host = timing.dac_ms_per_audio_s(inputs.dac, k, wl)
+    constants = {name: (None if isinstance(v, float) and math.isinf(v) else v) for name, v in k.__dict__.items()}
     out = {
-        "constants": {**k.__dict__, "launch_us_source": source, "card_sources": list(spec.sources) if spec else []},
+        "constants": {**constants, "launch_us_source": source, "card_sources": list(spec.sources) if spec else []},
         "workload": wl.__dict__, "levels": levels,
         "realtime_streams": {g: timing.realtime_streams(inputs, g, k, wl) for g in args.time_graphs},
         "fit": fit, "measured_source": args.calibrate or PORT_REFERENCE["label"],
@@ -104,8 +107,8 @@ def compute(args, ckpt, plan, sums: dict) -> dict:
                                                  "host_ms_per_audio_s": dac_host},
     }
     if report:
-        out["calibration"] = {"frame_time": report["frame_time"],
-                              "modelled": calibrate.modelled_profile_components(inputs, k, wl)}
+        out["calibration"] = {"frame_time": report["frame_time"], "graph": measured_graph,
+                              "modelled": calibrate.modelled_profile_components(inputs, k, wl, measured_graph)}
     return out
 
 
@@ -123,7 +126,8 @@ def print_text(t: dict) -> None:
     k = t["constants"]
     print()
     print(f"time per frame (a frame is {timing.FRAME_MS:.1f} ms of audio); step = max(host, device), they overlap")
-    print(f"  HBM {k['hbm_gbps']:g} GB/s, bf16 {k['bf16_tflops']:g} TFLOPS, fp32 {k['fp32_tflops']:g} TFLOPS, "
+    rate = {name: "not given" if k[name] is None else f"{k[name]:g}" for name in ("bf16_tflops", "fp32_tflops")}
+    print(f"  HBM {k['hbm_gbps']:g} GB/s, bf16 {rate['bf16_tflops']} TFLOPS, fp32 {rate['fp32_tflops']} TFLOPS, "
           f"link {k['link_gbps']:g} GB/s; {k['launch_us']:.2f} us per launch ({k['launch_us_source']}), "
           f"{k['replay_us']:.2f} us per replay; context {t['workload']['context_tokens']} tokens, "
           f"{t['workload']['norms']} norms")
@@ -157,5 +161,6 @@ def print_text(t: dict) -> None:
                 for name, value in cal["modelled"].items() if name not in ("step", "device")]
         step = (ft.get("step_ms") or {}).get("p50")
         rows.append(["step (p50)", _f(step) if isinstance(step, (int, float)) else "-", _f(cal["modelled"]["step"])])
-        print(f"  measured against modelled at concurrency 1 (eager), ms per step, from {t['measured_source']}:")
+        print(f"  measured against modelled at concurrency 1 ({cal['graph']}), ms per step, "
+              f"from {t['measured_source']}:")
         print(table(rows, ["component", "measured", "modelled"], indent="    "))

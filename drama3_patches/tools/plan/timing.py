@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from drama3_patches.tools.plan import launch_table
 from drama3_patches.tools.plan.model import (BACKBONE_PREFIX, DAC_ENCODER_ONLY, FISH_OMNI, WEIGHT_NORM_MAGNITUDE,
@@ -103,7 +103,6 @@ class Inputs:
     tower_kv_per_frame: float    # the tower's KV bytes over one frame's codes, this card
     state_per_seq: float         # gated-delta-net state bytes, this card
     dac: dict | None = None      # dac_time() figures, or None without codec.pth
-    launches: dict = field(default_factory=dict)
 
 
 def experts_used_share(n: int, k: int, e: int) -> float:
