@@ -6,6 +6,7 @@
     nox -s validate          # the CPU rehearsal of `drama3-patches validate` (report in validate-out/)
     nox -s dispatch          # benchmarks/dispatch.py: ops per decode frame in the real engine
     nox -s docs              # refresh docs/recipe.md's examples from real runs (after `nox -s validate`)
+    nox -s stress -- --rounds 5   # the timing-sensitive tests under a CPU hog: failures per test (not CI)
     nox -s drift             # drama3-patches drift against the newest vLLM releases (report in drift-out/)
 
 Only pairs that can run together are tested: each vLLM-Omni pre-release imports
@@ -103,6 +104,18 @@ def tests(session, vllm, vllm_omni):
     # one worker per core, at most 4: each holds vLLM (and its children) in memory
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4", *once,
                 *session.posargs,
+                env={"VLLM_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@nox.session
+def stress(session):
+    """tests/support/stress.py: the timing-sensitive tests repeated beside a CPU hog (one busy loop per
+    core, pytest's SIGINT ignored as a background CI job's is), then each test's failures out of runs.
+    Not in CI: a round takes minutes. The newest pair's packages, as the tests session installs them;
+    arguments after -- go to the script (--rounds N, --cpus 0 to pin to one core, --workers 2 for
+    xdist, test paths)."""
+    install_pair(session, "vllm", *NEWEST, OMNI_IMPORTS)
+    session.run("python", "tests/support/stress.py", *session.posargs,
                 env={"VLLM_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
 
 

@@ -50,6 +50,18 @@ _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 
 
 # Where this process's start-up list came from: "cache", "manifest" (scanned), None (not activated).
 targets_from = None
+# What activated this process first: ".pth" (the line in site-packages), "sitecustomize" (the
+# overlay's, `drama3-patches overlay`), "plugin" (vLLM's general_plugins entry point), "api" (the
+# package API or the engine called directly); None before any. status() shows it.
+ROUTES = (".pth", "sitecustomize", "plugin", "api")
+activated_by = None
+
+
+def note_activation(route: str) -> None:
+    """Record ``route`` as how this process was activated, unless another route came first."""
+    global activated_by
+    if activated_by is None:
+        activated_by = route
 
 
 def _call(hook: str, *args) -> None:
@@ -71,7 +83,7 @@ def scan_target_modules(text: str) -> list[str]:
     ``- module:Qualified.name`` per line); a test checks that this scan and the
     YAML loader agree on the shipped manifest.
     """
-    modules: list[str] = []
+    modules: dict[str, None] = {}  # ordered and linear: a list lookup made 20,000 targets cost seconds
     in_targets = False
     indent = 0
     for line in text.splitlines():
@@ -83,15 +95,15 @@ def scan_target_modules(text: str) -> list[str]:
             if stripped.startswith("- ") and lead >= indent:
                 item = stripped[2:].split("#", 1)[0].strip().strip("'\"")
                 module = item.split(":", 1)[0].strip()
-                if module and module not in modules:
-                    modules.append(module)
+                if module:
+                    modules.setdefault(module)
                 continue
             in_targets = False
         key = stripped[2:] if stripped.startswith("- ") else stripped
         if key.split("#", 1)[0].strip() == "targets:":
             in_targets = True
             indent = lead
-    return modules
+    return list(modules)
 
 
 def _fire(module_name: str) -> None:
@@ -182,8 +194,8 @@ def install_trigger(modules) -> TriggerFinder:
 
 
 def manifest_path() -> str:
-    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's
-    (``env.manifest_path`` calls this; here it needs no import of env)."""
+    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's.
+    The one place that says so (the manifest loader asks here): it needs no import of env."""
     override = os.environ.get(_MANIFEST)
     if override:
         return override
@@ -208,24 +220,65 @@ def cache_dir() -> str | None:
     return os.path.join(base, "drama3_patches")
 
 
-def _check_private(st: os.stat_result) -> None:
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise PermissionError("the start-up cache is not private to this user")
+_NOT_PRIVATE = "the start-up cache is not private to this user"
 
 
-def _open_cache_dir(folder: str, create: bool) -> int:
-    """A descriptor of the cache folder, checked private (the last component is never a link)."""
-    if create:
+def check_private(st: os.stat_result, error=PermissionError, foreign=None, writable=None) -> None:
+    """Raise ``error`` when ``st`` is not this user's, or group or others may write it.
+
+    ``foreign(uid)`` and ``writable(mode)`` word the message, so each caller keeps the words and the
+    exception class its operators know (the start-up cache's one line, the report folder's, the
+    kernel cache's ``UnsafeCache``)."""
+    if st.st_uid != os.geteuid():
+        raise error(foreign(st.st_uid) if foreign else _NOT_PRIVATE)
+    if st.st_mode & 0o022:
+        raise error(writable(st.st_mode & 0o7777) if writable else _NOT_PRIVATE)
+
+
+def _make_private(folder: str) -> None:
+    """Create ``folder`` and every missing parent, each 0700 (``os.makedirs`` would give the
+    parents the umask's mode, 0755 as a rule)."""
+    missing = []
+    path = folder
+    while True:
         try:
-            os.mkdir(folder, 0o700)
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if not parent or parent == path:
+                raise
+            missing.append(path)
+            path = parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
         except FileExistsError:
             pass
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(folder), exist_ok=True)
-            os.mkdir(folder, 0o700)
-    fd = os.open(folder, _O_READ | os.O_DIRECTORY)
+
+
+def open_private_dir(folder, create: bool = False, error=PermissionError, foreign=None, writable=None,
+                     link=None) -> int:
+    """A descriptor of ``folder`` (created 0700 with 0700 parents when ``create``), checked private.
+
+    The one opener of the package's private folders (the start-up cache, the kernel cache, the
+    report folder): the last component is never followed (``O_NOFOLLOW``; a link there raises
+    ``error`` with ``link()``'s words), and the checks are made on the open descriptor, so work
+    done through it is unaffected by whoever renames the path afterwards. ``error``, ``foreign``
+    and ``writable`` as for :func:`check_private`."""
+    folder = os.fspath(folder)
+    if create:
+        _make_private(os.path.normpath(folder))
     try:
-        _check_private(os.fstat(fd))
+        fd = os.open(folder, _O_READ | os.O_DIRECTORY)
+    except OSError as exc:
+        if os.path.islink(folder):  # O_NOFOLLOW|O_DIRECTORY on a link: ENOTDIR or ELOOP
+            raise error(link() if link else _NOT_PRIVATE) from None
+        raise exc from None
+    try:
+        check_private(os.fstat(fd), error, foreign, writable)
     except BaseException:
         os.close(fd)
         raise
@@ -242,7 +295,7 @@ def _read_entries(dir_fd: int) -> list[str]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > CACHE_MAX_BYTES:
             raise PermissionError("the start-up cache is not a small regular file")
-        _check_private(st)
+        check_private(st)
         chunks, left = [], CACHE_MAX_BYTES + 1
         while left > 0:
             chunk = os.read(fd, left)
@@ -297,6 +350,12 @@ def replace_file(dir_fd: int, name: str, data: bytes) -> None:
         raise
 
 
+def _trusted_manifest(st: os.stat_result) -> bool:
+    """Owned by root or this user, not writable by group or others: what ``reader.read_manifest``
+    requires, checked here on the cache's path stat without importing the reader."""
+    return st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022
+
+
 def _from_cache(path: str) -> list[str] | None:
     """The target modules cached for the manifest at ``path`` as it is now; None when there is no
     such entry, or on any doubt (then the caller scans)."""
@@ -305,9 +364,9 @@ def _from_cache(path: str) -> list[str] | None:
         if folder is None:
             return None
         st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        dir_fd = _open_cache_dir(folder, create=False)
+        if not stat.S_ISREG(st.st_mode) or not _trusted_manifest(st):
+            return None  # the scan then refuses it, with the warning
+        dir_fd = open_private_dir(folder, create=False)
         try:
             entries = _read_entries(dir_fd)
         finally:
@@ -331,7 +390,7 @@ def _store(path: str, st: os.stat_result, modules: list[str]) -> None:
             return
         if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS:
             return
-        dir_fd = _open_cache_dir(folder, create=True)
+        dir_fd = open_private_dir(folder, create=True)
         try:
             try:
                 entries = _read_entries(dir_fd)
@@ -350,16 +409,22 @@ def _store(path: str, st: os.stat_result, modules: list[str]) -> None:
 
 
 def _from_manifest(path: str) -> list[str] | None:
-    """Line-scan the manifest (and cache what it names); None, with one warning, when unreadable."""
+    """Line-scan the manifest (and cache what it names); None, with one warning, when unreadable or
+    refused (``reader.read_manifest``: another owner, writable by others, over 1 MiB); raised under
+    DRAMA3_PATCHES_STRICT=1."""
     from drama3_patches import reader
 
     try:
-        data, st = reader.read_regular(path, reader.MANIFEST_MAX_BYTES, "manifest")
+        data, st = reader.read_manifest(path)
         text = reader.decode_text(data, path, "manifest")
     except OSError as exc:
         from drama3_patches import env
 
-        env.warn_once("manifest", f"cannot read the patch manifest ({exc}); no patch will apply "
+        if env.strict():
+            raise
+        # soft_failure's key: the engine, called later by vLLM's plugin hook, refuses the same
+        # manifest, and the process hears of it once
+        env.warn_once("soft-failure", f"cannot read the patch manifest ({exc}); no patch will apply "
                       f"(point {env.MANIFEST} at a readable manifest file, or unset it)")
         return None
     modules = scan_target_modules(text)
@@ -367,8 +432,9 @@ def _from_manifest(path: str) -> list[str] | None:
     return modules
 
 
-def activate() -> None:
-    """Called by the ``.pth`` line: register triggers; patch what is already imported."""
+def activate(route: str = ".pth") -> None:
+    """Called by the ``.pth`` line (and the overlay's ``sitecustomize``, naming its ``route``):
+    register triggers; patch what is already imported."""
     global targets_from
     if targets_from is not None:  # once per process (some virtual environments run .pth files twice)
         return
@@ -386,6 +452,7 @@ def activate() -> None:
         if modules is None:
             return
         targets_from = "manifest"
+    note_activation(route)
     install_trigger(modules)
     # Late start: a target imported before us (rare at .pth time) is patched now.
     if any(m in sys.modules for m in modules):

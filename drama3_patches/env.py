@@ -1,8 +1,10 @@
-"""The environment contract (docs/design.md): variable names, flag parsing, warnings, manifest path.
+"""The environment contract (docs/design.md): variable names, flag parsing, warnings.
 
 A leaf: standard library only, and it imports nothing of this package, so the
 ``.pth`` hook, the engine and the tools all read the environment the same way.
-The bounded file reader is ``drama3_patches.reader``; its names are still reachable here.
+The bounded file reader is ``drama3_patches.reader``; its names are still reachable here. The
+manifest in force is the start-up hook's to say (``_bootstrap.manifest_path``), which must not
+import this module on its common path: one owner, no circle.
 """
 
 import os
@@ -13,6 +15,9 @@ DISABLE = "DRAMA3_PATCHES_DISABLE"
 STRICT = "DRAMA3_PATCHES_STRICT"
 PLATFORM = "DRAMA3_PATCHES_PLATFORM"
 REPORT_DIR = "DRAMA3_PATCHES_REPORT_DIR"
+# Seconds a gone process's report (and a dead writer's temporary file) stays in the report folder.
+REPORT_RETENTION = "DRAMA3_PATCHES_REPORT_RETENTION"
+REPORT_RETENTION_DEFAULT_S = 86400.0
 MANIFEST = "DRAMA3_PATCHES_MANIFEST"
 TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
 RESUME_CHECK = "DRAMA3_PATCHES_RESUME_CHECK"
@@ -105,6 +110,23 @@ def npu_fused() -> bool:
     return parse_flag(NPU_FUSED)
 
 
+def report_retention() -> float:
+    """$DRAMA3_PATCHES_REPORT_RETENTION in seconds: unset or empty is a day; 0 keeps every report;
+    anything else but a finite number >= 0 warns once and counts as the default."""
+    raw = os.environ.get(REPORT_RETENTION, "").strip()
+    if not raw:
+        return REPORT_RETENTION_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        warn_once(REPORT_RETENTION, f"{REPORT_RETENTION}={raw!r} is not a number of seconds >= 0 "
+                  f"(0 keeps every report); using {REPORT_RETENTION_DEFAULT_S:.0f}")
+        return REPORT_RETENTION_DEFAULT_S
+    return value
+
+
 def fault_problem() -> str | None:
     """Why $DRAMA3_PATCHES_FAULT is refused (a name that is not one of FAULTS), or None."""
     parts = [part.strip() for part in os.environ.get(FAULT, "").split(",") if part.strip()]
@@ -140,14 +162,6 @@ def platform_override() -> str | None:
         return raw
     warn_once(PLATFORM, f"{PLATFORM}={raw!r} is not one of {'|'.join(PLATFORMS)}; detecting instead")
     return None
-
-
-def manifest_path() -> str:
-    """The manifest in force: $DRAMA3_PATCHES_MANIFEST, the packaged copy, or the source tree's.
-    The start-up hook's own (it cannot import this module on its common path)."""
-    from drama3_patches._bootstrap import manifest_path
-
-    return manifest_path()
 
 
 # Names that lived here before the reader had its own module; looked up only when asked for,

@@ -12,10 +12,15 @@ state from the engine, and exports:
 - ``drama3_patches_process_info{role,stage,rank,host,pid,platform,enabled}``: 1 per process;
 - ``drama3_patches_reports{status}``: reports ``live`` (exported), ``gone`` (their process ended,
   or its pid went to another process), ``remote`` (another host's: not exported),
-  ``skipped`` (unusable files, by kind in ``drama3_patches_reports_skipped{reason}``), and
-  ``folder-unset``: 1 when no report folder is set (only this process is exported);
+  ``skipped`` (unusable files, and reports left unread by the scrape's bound, by kind in
+  ``drama3_patches_reports_skipped{reason}``), and ``folder-unset``: 1 when no report folder is
+  set (only this process is exported);
 - ``drama3_patches_collector_errors_total``: scrapes whose collection failed (then only this
   series is ours on the page; vLLM's stay whole).
+
+A scrape is bounded (``report_dir``): foreign files are refused from their ``lstat``, unopened;
+at most ``MAX_LISTED`` entries are looked at and ``SCRAPE_MAX_BYTES`` of new reports read, the
+newest first (prometheus_client runs ``collect`` on the API server's event loop).
 
 Every label value is from a fixed set (manifest ids, states, event names, roles, skip kinds,
 numbers, a host name of ``[A-Za-z0-9._]``), never text from a report. Imported only by that
@@ -106,7 +111,8 @@ class PatchCollector:
                                "DRAMA3_PATCHES_REPORT_DIR is unset and only this process is exported).",
                                labels=["status"]), "reports"),
             (GaugeMetricFamily("drama3_patches_reports_skipped",
-                               "Files in the report folder skipped at this scrape, by why.",
+                               "Files in the report folder skipped at this scrape, by why (over-limit: "
+                               "left for later scrapes; unlisted: 1 when the folder's listing was cut).",
                                labels=["reason"]), "skipped"),
         ]
 
@@ -173,15 +179,17 @@ class PatchCollector:
                 "patches": [{"id": i, "state": rec.state} for i, rec in engine.records.items()]}
 
     def _from_folder(self, directory: str, here: str, statuses: dict, kinds: dict) -> list:
+        from drama3_patches import report_dir
         from drama3_patches.report_dir import collect, liveness
 
         try:
-            collected = collect(directory, cache=self._cache)
+            collected = collect(directory, cache=self._cache, max_bytes=report_dir.SCRAPE_MAX_BYTES)
         except FileNotFoundError:  # no process has written a report yet
             return []
         for kind, n in collected.kinds.items():
             kinds[kind] += n
-        statuses["skipped"] = len(collected.skipped)
+        # over the scrape's bound: not read this time (the newest were), counted with the skipped
+        statuses["skipped"] = len(collected.skipped) + collected.kinds.get("over-limit", 0)
         out = []
         for proc in collected.processes:
             if proc.get("host") == here and proc["pid"] == os.getpid():

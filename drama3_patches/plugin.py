@@ -12,5 +12,6 @@ def register() -> None:
     from drama3_patches import _bootstrap, env
 
     if env.enabled():
+        _bootstrap.note_activation("plugin")
         # the .pth hook's own call: outside STRICT an error of ours is one warning, never vLLM's
         _bootstrap._call(_bootstrap.ACTIVATE)

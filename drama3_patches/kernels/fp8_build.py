@@ -9,10 +9,14 @@ Environment: ``DRAMA3_PATCHES_CACHE_DIR`` (where the built library is kept; defa
 default ``cc``/``gcc``/``clang``).
 
 Trust: the library runs inside the server, often as root, so the cache is used
-only when nobody else could have written it.  The folder (created 0700) must
-belong to this user and be closed to group and others; the library must be a
-regular file of this user, closed to others, opened without following a link
-and loaded through that open descriptor.  A folder that fails (or an explicit
+only when nobody else could have written it.  The folder (created 0700, with
+0700 parents; never a link) must belong to this user and be closed to group and
+others; the library must be a regular file of this user, closed to others,
+opened without following a link and loaded through that open descriptor.  The
+build goes through descriptors too: a private build folder made and opened
+through the folder's descriptor, the compiler given ``/proc/<pid>/fd/N`` paths
+of it, so whoever can rename a parent of the folder cannot swap the source the
+compiler reads or the folder it writes into.  A folder that fails (or an explicit
 one that does) is named in a warning and the kernel is built in a fresh private
 temporary folder for this process.  A cached library that does not load is
 rebuilt once; every compiler call has a timeout.
@@ -30,6 +34,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from drama3_patches._bootstrap import cache_dir as _hook_cache_dir
+from drama3_patches._bootstrap import check_private, open_private_dir
 from drama3_patches.logger import init_logger
 
 logger = init_logger(__name__)
@@ -62,40 +68,30 @@ class UnsafeCache(OSError):
 def _cache_dir() -> tuple[Path, bool]:
     """The cache folder, and whether $DRAMA3_PATCHES_CACHE_DIR named it: the start-up hook's folder
     (``_bootstrap.cache_dir``); without $HOME, the password database's home (a build may read it)."""
-    from drama3_patches._bootstrap import cache_dir
-
-    folder = cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "drama3_patches")
+    folder = _hook_cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "drama3_patches")
     return Path(folder), bool(os.environ.get(CACHE_DIR_ENV))
 
 
 def _check_private(st: os.stat_result, what: str) -> None:
     """Refuse what this user does not own or what others may write (UnsafeCache naming which)."""
-    if st.st_uid != os.geteuid():
-        raise UnsafeCache(f"{what} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        raise UnsafeCache(f"{what} is writable by group or others (mode {st.st_mode & 0o7777:04o})")
+    check_private(st, UnsafeCache,
+                  foreign=lambda uid: f"{what} belongs to uid {uid}, not to this process (uid {os.geteuid()})",
+                  writable=lambda mode: f"{what} is writable by group or others (mode {mode:04o})")
 
 
-def _open_private_dir(path: Path) -> int:
-    """An fd of ``path`` (created 0700 when absent) after checking it is private to this user.
+def _open_private_dir(path: Path, create: bool = True) -> int:
+    """An fd of ``path`` (created 0700, with 0700 parents, when absent) after checking it is private
+    to this user; a link at its name is refused.
 
     Everything after works relative to this fd, so renaming the path afterwards (by
     whoever can write its parent) cannot put another folder under us.
     """
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(path.parent, exist_ok=True)
-        os.mkdir(path, 0o700)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
-    try:
-        _check_private(os.fstat(fd), f"cache folder {path}")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    what = f"cache folder {path}"
+    return open_private_dir(
+        path, create, UnsafeCache,
+        foreign=lambda uid: f"{what} belongs to uid {uid}, not to this process (uid {os.geteuid()})",
+        writable=lambda mode: f"{what} is writable by group or others (mode {mode:04o})",
+        link=lambda: f"{what} is a symbolic link, which is never followed")
 
 
 def _open_library(name: str, dir_fd: int) -> int | None:
@@ -150,28 +146,54 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         raise RuntimeError(f"{' '.join(argv[:2])} ... did not finish within {timeout:.0f} s") from None
 
 
-def _compile(cc: str, flags: list[str], dir_fd: int, name: str, where: Path) -> subprocess.CompletedProcess:
-    """Compile into a fresh private folder inside ``where``, then rename the library into the folder.
+def _through_fd(fd: int) -> str:
+    """A path to the folder ``fd`` that names that very folder in any process of this user:
+    ``/proc/<pid>/fd/<fd>`` is resolved by the kernel to the inode this process holds, whatever
+    anybody renames or links meanwhile (the compiler and its helpers are other processes, so not
+    ``/proc/self``)."""
+    path = f"/proc/{os.getpid()}/fd/{fd}"
+    if not os.path.isdir(path):
+        raise RuntimeError("the fp8 kernel is built only through descriptors, and /proc/<pid>/fd is "
+                           "not available here (mount /proc)")
+    return path
 
-    The rename is atomic: concurrent builders (several ranks) never see half a file.
+
+def _compile(cc: str, flags: list[str], dir_fd: int, name: str, where: Path) -> subprocess.CompletedProcess:
+    """Compile into a fresh private folder inside the folder ``dir_fd``, then rename the library into it.
+
+    All by descriptor: the build folder is made and checked through ``dir_fd``, the source written
+    through the build folder's fd, and the compiler reads and writes through ``/proc/<pid>/fd/N``
+    of that fd: nobody who can rename a parent of ``where`` can put another source under the
+    compiler or another folder under its output. The rename is atomic: concurrent builders (several
+    ranks) never see half a file.
     """
-    tmp = tempfile.mkdtemp(prefix=".build-", dir=where)  # 0700, a name nobody could guess
+    build = f".build-{os.urandom(8).hex()}"  # a name nobody could guess
+    os.mkdir(build, 0o700, dir_fd=dir_fd)
     try:
-        src = os.path.join(tmp, SOURCE_NAME)
-        with open(src, "w") as f:
-            f.write(source())
-        out = os.path.join(tmp, name)
-        proc = _run([*cc.split(), *flags, "-o", out, src], COMPILE_TIMEOUT_S)
-        if proc.returncode == 0:
-            tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
-            try:
-                _check_private(os.fstat(tmp_fd), f"build folder {tmp}")
-                os.replace(name, name, src_dir_fd=tmp_fd, dst_dir_fd=dir_fd)
-            finally:
-                os.close(tmp_fd)
-        return proc
+        build_fd = os.open(build, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            _check_private(os.fstat(build_fd), f"build folder {where / build}")
+            src = os.open(SOURCE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC, 0o600,
+                          dir_fd=build_fd)
+            with os.fdopen(src, "w") as f:
+                f.write(source())
+            here = _through_fd(build_fd)
+            proc = _run([*cc.split(), *flags, "-o", f"{here}/{name}", f"{here}/{SOURCE_NAME}"], COMPILE_TIMEOUT_S)
+            if proc.returncode == 0:
+                os.replace(name, name, src_dir_fd=build_fd, dst_dir_fd=dir_fd)
+            return proc
+        finally:
+            for left in os.listdir(build_fd):
+                try:
+                    os.unlink(left, dir_fd=build_fd)
+                except OSError:
+                    pass
+            os.close(build_fd)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            os.rmdir(build, dir_fd=dir_fd)
+        except OSError:
+            pass
 
 
 class Library:
@@ -217,7 +239,7 @@ def find_or_build(extra_flags: tuple[str, ...], cache_dir: Path | None, rebuild:
                        "" if explicit else f", or set {CACHE_DIR_ENV}")
     temporary = Path(tempfile.mkdtemp(prefix="drama3_patches-"))  # 0700, unpredictable name
     try:
-        dir_fd = os.open(temporary, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        dir_fd = _open_private_dir(temporary, create=False)
         try:
             lib = _in_folder(cc, version, extra_flags, temporary, dir_fd, rebuild=False)
         finally:

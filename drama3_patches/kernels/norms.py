@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from . import npu_fused
+from .norm_reference import gemma_rows_f32
 
 __all__ = ["gemma_rms_norm", "gemma_rows_f32", "gemma_rms_norm_table", "tower_mix_norm", "prepared", "constant", "into",
            "fused_gamma"]
@@ -108,14 +109,6 @@ def fused_gamma(weight: torch.Tensor, dtype, beta: float = 1.0) -> torch.Tensor:
     """``weight + beta`` formed in float32 and rounded once to ``dtype`` (the fused ops take gamma
     in the activation dtype), prepared once per weight."""
     return prepared(("gamma", beta, dtype), (weight,), lambda: (weight.to(_F32) + beta).to(dtype))
-
-
-def gemma_rows_f32(x32: torch.Tensor, weight: torch.Tensor, eps: float, beta: float = 1.0) -> torch.Tensor:
-    """Normalise float32 rows ``[..., D]`` with ``weight + beta`` (Gemma: 1); a new float32 tensor
-    (``x32`` may be the caller's)."""
-    variance = x32.pow(2).mean(dim=-1, keepdim=True)
-    out = x32 * torch.rsqrt(variance + eps)
-    return out.mul_(weight.to(torch.float32) + beta)
 
 
 def _square(x: torch.Tensor) -> torch.Tensor:

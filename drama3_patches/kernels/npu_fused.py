@@ -16,8 +16,11 @@ Having the ops is not trusted: :func:`for_tensor` hands them out for rows of a d
 they have proven themselves on the device, once per process, device type and dtype, at the first
 call that would take them (on a server, vLLM's profile run). Each op runs on a small probe there;
 its result must have torch-npu's documented arity (``(y, rstd)``; ``(y, rstd, x_sum)``), ``y``
-and ``x_sum`` the input's shape, dtype and device, ``y`` within :data:`TOLERANCE` of the eager
-gemma norm (``gamma = 1 + w``) and ``x_sum`` exactly ``x + residual``. A difference or an
+and ``x_sum`` the input's shape, dtype and device, ``y`` within :func:`tolerance` of the eager
+gemma norm (``gamma = 1 + w``; a few ulps of the dtype, :data:`ULPS`) and ``x_sum`` exactly
+``x + residual``. The probe tells the contract's likely look-alikes apart: its rows have a mean
+far from zero (a LayerNorm misses), its heads different scales (a norm over the whole row
+instead of each head misses) and one row a mean square under eps (another eps misses). A difference or an
 exception gives one warning naming the op and what differed, and rows of that dtype keep the
 eager path for the rest of the process. The verdict is cached, so a call after it costs what a
 call cost before. Under torch.compile tracing no probe can run (its tensors are symbolic): a
@@ -34,14 +37,18 @@ import torch
 from drama3_patches import env
 from drama3_patches.logger import init_logger
 
+from .norm_reference import gemma_rows_f32
+
 logger = init_logger(__name__)
 
-__all__ = ["FUSED_DTYPES", "TOLERANCE", "FusedNorms", "for_tensor", "fused_norms", "probe"]
+__all__ = ["FUSED_DTYPES", "ULPS", "FusedNorms", "for_tensor", "fused_norms", "probe", "tolerance"]
 
 #: activation dtypes both fused ops take (torch-npu documents float16, bfloat16 and float32)
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: two bfloat16 ulps, relative to each value and to the largest: both paths round the product once
-TOLERANCE = 2.0 ** -6
+#: how far ``y`` may be from the eager norm, in machine epsilons of its dtype relative to each value
+#: (2 to 4 ulps in bfloat16 and float16: both paths round the float32 product once; float32 sums
+#: the squares in another order and may approximate the reciprocal square root). A zero stays zero.
+ULPS = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 16}
 _OPS = ("npu_rms_norm", "npu_add_rms_norm")
 # device type -> FusedNorms or None, found once per process (torch_npu's ops and the opt-out do not change)
 _BACKENDS: dict = {}
@@ -128,13 +135,28 @@ def for_tensor(x: torch.Tensor) -> FusedNorms | None:
 # -- the self-check ------------------------------------------------------------------------------
 
 
+def tolerance(dtype: torch.dtype) -> float:
+    """The self-check's bound on ``|y - eager| / |eager|`` for ``dtype`` rows."""
+    return ULPS[dtype] * torch.finfo(dtype).eps
+
+
 def _grid(shape: tuple, step: int, offset: int) -> torch.Tensor:
-    # k / 16 with |k| <= 64, leading row i scaled by 2^(i - 1): exact in every fused dtype, as are
-    # the sums of two such tensors (|k1 + k2| <= 128), so x_sum has one right answer; rows of
-    # different scale and pattern tell a result taken from the wrong row apart.
-    k = (torch.arange(math.prod(shape)) * step + offset) % 129 - 64
+    # Exact in every fused dtype, as are the sums of two (so x_sum has one right answer):
+    # - values (k + 48) / 16 with |k| <= 64: each row's mean is far from zero, so a LayerNorm
+    #   (mean subtracted) misses by the order of the values themselves;
+    # - row i scaled by 2^(i - 1), rows of different pattern: a result taken from the wrong row
+    #   misses; row 0 is small instead ((j - 4) / 2^14, |j - 4| <= 12, normal in float16): its mean
+    #   square (~1.5e-7) is under eps, so an op with another eps misses it by a factor;
+    # - in a [rows, heads, D] probe, head h scaled by 4^h: normalising the whole row instead of
+    #   each head misses every head by a factor.
+    idx = torch.arange(math.prod(shape)) * step + offset
+    k = (idx % 129 - 64 + 48).to(torch.float32).view(shape) / 16
     scale = torch.exp2(torch.arange(shape[0], dtype=torch.float32) - 1).view(-1, *([1] * (len(shape) - 1)))
-    return k.view(shape).to(torch.float32) / 16 * scale
+    x = k * scale
+    x[0] = ((idx % 17 - 4).to(torch.float32).view(shape) / 2 ** 14)[0]
+    if len(shape) == 3:
+        x = x * torch.exp2(2 * torch.arange(shape[1], dtype=torch.float32)).view(1, -1, 1)
+    return x
 
 
 def probe(dtype: torch.dtype) -> tuple[dict, dict]:
@@ -142,8 +164,6 @@ def probe(dtype: torch.dtype) -> tuple[dict, dict]:
     ``({"x3", "x2", "residual", "weight"}, {"rms_norm": y of x3, "add_rms_norm": (y, x_sum) of
     x2 + residual})``, eps 1e-6. ``weight`` is ``j / 64`` (``|j| <= 32``): ``1 + weight`` is exact too.
     """
-    from .norms import gemma_rows_f32  # norms imports this module: only when a probe runs
-
     inputs = {"x3": _grid((_ROWS, _HEADS, _WIDTH), 37, 11).to(dtype),
               "x2": _grid((_ROWS, _WIDTH), 53, 7).to(dtype),
               "residual": _grid((_ROWS, _WIDTH), 41, 90).to(dtype),
@@ -216,12 +236,13 @@ def _deviation(got: torch.Tensor, want: torch.Tensor, exact: bool) -> str | None
         if bool((off == 0).all()):
             return None
         return f"differs from x + residual by up to {off.max().item():.4g} (expected exactly)"
-    largest = w.abs().max()
-    bound = TOLERANCE * w.abs() + TOLERANCE * largest
-    if bool((off <= bound).all()):  # NaN fails
+    bound = tolerance(got.dtype) * w.abs()
+    if bool((off <= bound).all()):  # NaN fails; a zero must stay zero
         return None
-    return (f"differs from the eager gemma norm by up to {off.max().item():.4g} "
-            f"(tolerance {TOLERANCE:g} x (|value| + {largest.item():.4g}))")
+    worst = (off / w.abs().clamp_min(torch.finfo(torch.float32).tiny)).max().item()
+    return (f"differs from the eager gemma norm by up to {off.max().item():.4g} (relative {worst:.3g}; "
+            f"tolerance {tolerance(got.dtype):.3g} of each value, {ULPS[got.dtype]} x "
+            f"{str(got.dtype).removeprefix('torch.')} eps)")
 
 
 def _describe(value) -> str:

@@ -20,7 +20,8 @@ import importlib
 import sys
 import traceback
 
-COMMANDS = ("status", "list", "deploy_config", "plan", "doctor", "bench", "tiny_model", "validate", "drift")
+COMMANDS = ("status", "list", "deploy_config", "plan", "doctor", "bench", "tiny_model", "validate", "frame_time",
+            "overlay", "drift")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from drama3_patches.tools import isolated_python
+
 PTH_NAME = "drama3_patches.pth"
 PTH_IMPORT = "drama3_patches._bootstrap"
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -314,7 +316,7 @@ def probe_npu(timeout: float = 120.0) -> dict:
     if importlib.util.find_spec("torch_npu") is None:
         return {"missing": True}
     try:
-        r = subprocess.run([sys.executable, "-c", _NPU_PROBE], capture_output=True, text=True, timeout=timeout)
+        r = isolated_python.run("-c", _NPU_PROBE, timeout=timeout, text=True)
     except subprocess.TimeoutExpired:
         return {"import_error": f"importing torch_npu took over {timeout:g} s"}
     answer = parse_probe(r.stdout)
@@ -388,9 +390,8 @@ def patch_status(timeout: float = 300.0) -> dict:
     from drama3_patches.env import ENABLE, PLATFORM
 
     env = dict(os.environ, **{ENABLE: "1", PLATFORM: "npu"})
-    cmd = [sys.executable, "-m", "drama3_patches.tools", "status", "--json"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        r = isolated_python.run("-m", "drama3_patches.tools", "status", "--json", timeout=timeout, env=env, text=True)
     except subprocess.TimeoutExpired:
         return {"error": f"`drama3-patches status --json` took over {timeout:g} s"}
     try:

@@ -180,8 +180,8 @@ def markdown(report: dict) -> str:
     for p in report["patches"]:
         counts[p["verdict"]] = counts.get(p["verdict"], 0) + 1
     lines = [f"# Drift against {versions}", "",
-             "Per patch: each target (resolves? its source fingerprint against those recorded for the reviewed versions), "
-             "the names the patch reads around it, and whether the version guard takes it. "
+             "Per patch: each target (resolves? its source fingerprint against those recorded for the reviewed "
+             "versions), the names the patch reads around it, and whether the version guard takes it. "
              "The manifest is not edited.", "",
              "Summary: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + ".", "",
              "| patch | verdict | guard takes it |", "| --- | --- | --- |"]

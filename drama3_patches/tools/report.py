@@ -72,7 +72,8 @@ def render_status(data: dict) -> str:
     versions = ", ".join(f"{d} {v or '(not installed)'}" + (f" (distribution {by[d]})" if d in by else "")
                          for d, v in data["versions"].items())
     head = [
-        f"drama3-patches: {'enabled' if data['enabled'] else 'disabled'}; platform {data['platform']}; pid {data.get('pid', '?')}",
+        f"drama3-patches: {'enabled' if data['enabled'] else 'disabled'}; platform {data['platform']}; pid {data.get('pid', '?')}"
+        f"; activated by {data.get('activated_by') or 'nothing'}",
         f"installed: {versions}",
         "",
     ]

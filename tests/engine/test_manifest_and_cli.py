@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -105,7 +106,7 @@ def test_malformed_entry_names_file_id_and_field(change, field, fragment):
 
 def test_duplicate_ids_and_bad_yaml():
     with pytest.raises(ManifestError, match="patch 'x': field 'id': used by two entries"):
-        parse_manifest(yaml.safe_dump({"patches": [GOOD, GOOD]}), "m.yaml")
+        parse_manifest(yaml.safe_dump({"patches": [GOOD, copy.deepcopy(GOOD)]}), "m.yaml")  # no YAML alias
     with pytest.raises(ManifestError, match="m.yaml: not valid YAML"):
         parse_manifest("patches: [", "m.yaml")
     with pytest.raises(ManifestError, match="^/nonexistent/drama3/manifest.yaml: cannot read manifest: "):

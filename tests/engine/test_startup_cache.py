@@ -287,15 +287,16 @@ def test_a_manifest_changed_within_the_last_second_is_not_cached(aged, tmp_path)
 
 
 def test_the_manifest_in_force_is_the_variables_else_the_shipped_file(monkeypatch, tmp_path):
-    """One implementation (the hook's) serves env too: unset, it names an existing
-    patches_manifest.yaml; set, the variable's path as given."""
-    from drama3_patches import env
+    """One implementation (the hook's) says which manifest is in force: unset, it names an existing
+    patches_manifest.yaml; set, the variable's path as given; the manifest loader reads that one."""
+    from drama3_patches import _bootstrap, env, manifest
 
     monkeypatch.delenv(env.MANIFEST, raising=False)
-    shipped = env.manifest_path()
+    shipped = _bootstrap.manifest_path()
     assert os.path.basename(shipped) == "patches_manifest.yaml" and os.path.isfile(shipped)
+    assert manifest.manifest_path is _bootstrap.manifest_path
     monkeypatch.setenv(env.MANIFEST, str(tmp_path / "m.yaml"))
-    assert env.manifest_path() == str(tmp_path / "m.yaml")
+    assert _bootstrap.manifest_path() == str(tmp_path / "m.yaml")
 
 
 def test_the_hooks_copies_of_the_environment_contract_agree_with_env():

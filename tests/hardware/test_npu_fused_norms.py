@@ -7,7 +7,8 @@ agree within the tolerance, and the frame's launches stay within the budget, tha
 tests/kernels/test_npu_fused_path.py holds the CPU stand-ins to (both from ``support.fused_path``).
 Before either, the ops must pass the package's own self-check on the card (``npu_fused``: arity,
 shapes, closeness to the eager norm) for every dtype they are offered for, and the self-check must
-reject a wrapper of the real op that returns ``y`` alone.
+reject a wrapper of the real op that returns ``y`` alone, and one that gives it a wrong weight
+(a value failure, in every dtype).
 
 Each check runs in a fresh interpreter (``subproc.call``): the device runtime never starts in
 the test process, which forks for other tests.
@@ -46,6 +47,10 @@ def test_fused_norms_pass_their_self_check_on_the_card():
     # the check can fail here: the real op with torch-npu's arity taken away is refused, once
     assert out["row_only_proven"] is False, out["row_only_log"]
     assert len(out["row_only_log"]) == 1 and "npu_rms_norm returned" in out["row_only_log"][0], out["row_only_log"]
+    # and the real op computing with a wrong weight fails on its values, in every dtype
+    assert out["wrong_weight_proven"] == {str(dtype): False for dtype in FUSED_DTYPES}, out["wrong_weight_log"]
+    assert len(out["wrong_weight_log"]) == len(FUSED_DTYPES), out["wrong_weight_log"]
+    assert all("npu_rms_norm's y differs from the eager gemma norm" in ln for ln in out["wrong_weight_log"])
 
 
 @pytest.mark.parametrize("batch", BATCHES, ids=[f"batch{b}" for b in BATCHES])
@@ -104,6 +109,12 @@ def self_check_on_card() -> dict:
         out["row_only_proven"] = row_only.proven(npu, torch.bfloat16)
         row_only.proven(npu, torch.bfloat16)
     out["row_only_log"] = list(lines)
+    # the real op given a wrong weight (gamma = w, the 1 of Gemma's 1 + w left out): values only
+    wrong_weight = npu_fused.FusedNorms(lambda x, gamma, eps: torch_npu.npu_rms_norm(x, gamma - 1, eps),
+                                        torch_npu.npu_add_rms_norm)
+    with captured(npu_fused.logger.name, logging.WARNING) as lines:
+        out["wrong_weight_proven"] = {str(dtype): wrong_weight.proven(npu, dtype) for dtype in FUSED_DTYPES}
+    out["wrong_weight_log"] = list(lines)
     return out
 
 

@@ -38,7 +38,7 @@ from drama3_patches import env  # noqa: E402
 from drama3_patches.kernels import norms, npu_fused  # noqa: E402
 from support.fused_path import (  # noqa: E402
     BATCHES, FUSED_KERNELS, PER_CALL, PER_FRAME, assert_bf16_close, budget, frame_launches)
-from support.fused_standin import FAULTS, STAND_IN, faulty  # noqa: E402
+from support.fused_standin import CONTRACT_FAULTS, FAULTS, STAND_IN, faulty  # noqa: E402
 from support.launches import count  # noqa: E402
 from support.logs import captured  # noqa: E402
 from support.tower_calls import CALLS_PER_FRAME, tower_calls  # noqa: E402
@@ -295,13 +295,45 @@ def test_on_an_npu_device_without_both_ops_the_detection_is_none(npu_device, mon
 _NPU_FUSED_LOGGER = npu_fused.logger.name
 # what the warning says for each fault (after the op's name)
 _FAULT_WORDS = {"arity": "expected a tuple of", "shape": "of shape (1, ", "values": "differs from",
-                "raises": "raised RuntimeError: "}
+                "raises": "raised RuntimeError: ", "layernorm": "differs from the eager gemma norm",
+                "whole-row": "differs from the eager gemma norm", "epsilon": "differs from the eager gemma norm"}
 
 
-def test_self_check_tolerance_is_the_tests_tolerance():
+def test_self_check_tolerance_in_bfloat16_is_the_path_tests_relative_tolerance():
+    """Two bfloat16 eps relative to each value: what the path tests allow relative to each value."""
     from support import fused_path
 
-    assert npu_fused.TOLERANCE == fused_path.TOLERANCE
+    assert npu_fused.tolerance(torch.bfloat16) == fused_path.TOLERANCE == 2.0 ** -6
+    assert npu_fused.tolerance(torch.float16) == 2.0 ** -9 and npu_fused.tolerance(torch.float32) == 2.0 ** -19
+
+
+def _worst(fused, dtype) -> dict:
+    """The largest relative difference from the probe's expected ``y`` of each op of ``fused``."""
+    inputs, wants = npu_fused.probe(dtype)
+    gamma = (inputs["weight"].to(torch.float32) + 1).to(dtype)
+    got = {"rms_norm": fused._rms_norm(inputs["x3"], gamma, 1e-6)[0],
+           "add_rms_norm": fused._add_rms_norm(inputs["x2"], inputs["residual"], gamma, 1e-6)[0]}
+    out = {}
+    for op, y in got.items():
+        want = (wants[op][0] if op == "add_rms_norm" else wants[op]).to(torch.float32)
+        off = (y.to(torch.float32) - want).abs()
+        out[op] = (off / want.abs().clamp_min(torch.finfo(torch.float32).tiny)).max().item()
+    return out
+
+
+@pytest.mark.parametrize("dtype", npu_fused.FUSED_DTYPES, ids=str)
+def test_the_probe_passes_the_right_ops_and_misses_each_look_alike_by_far_more_than_the_tolerance(dtype):
+    """LayerNorm, the whole row instead of each head (for 2-D rows: the whole batch), another eps: each
+    look-alike misses the probe by more than 10 times the tolerance in both ops; the right ops stay
+    within it."""
+    tol = npu_fused.tolerance(dtype)
+    right = _worst(STAND_IN, dtype)
+    assert max(right.values()) <= tol, right
+    for fault in CONTRACT_FAULTS:
+        worst = _worst(npu_fused.FusedNorms(faulty("npu_rms_norm", fault), faulty("npu_add_rms_norm", fault)),
+                       dtype)
+        for op in ("rms_norm", "add_rms_norm"):
+            assert worst[op] > 10 * tol, (fault, op, worst)
 
 
 @pytest.mark.parametrize("dtype", npu_fused.FUSED_DTYPES, ids=str)
@@ -399,3 +431,33 @@ def test_on_an_npu_device_a_faulty_op_fails_the_self_check_with_one_warning_and_
         assert len(got[name]) == len(want[name])
         for g, e in zip(got[name], want[name]):
             assert g.device.type == "npu" and torch.equal(g.cpu(), e), name
+
+
+def _imports(module) -> set[str]:
+    """Every module ``module``'s source imports, those inside functions too (relative ones resolved)."""
+    import ast
+    import inspect
+
+    found = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(module.__name__.split(".")[:-node.level] + ([base] if base else []))
+            found.update(f"{base}.{a.name}" if not node.module else base for a in node.names)
+    return found
+
+
+def test_the_fused_self_check_and_the_kernels_share_a_leaf_reference_not_a_circle():
+    """norms imports npu_fused; npu_fused takes the eager reference from the leaf norm_reference,
+    which imports nothing of the package."""
+    from drama3_patches.kernels import norm_reference
+
+    assert "drama3_patches.kernels.npu_fused" in _imports(norms)
+    mine = _imports(npu_fused)
+    assert "drama3_patches.kernels.norm_reference" in mine
+    assert not any(m.startswith("drama3_patches.kernels.norms") for m in mine), mine
+    assert _imports(norm_reference) == {"__future__", "torch"}
+    assert norms.gemma_rows_f32 is npu_fused.gemma_rows_f32 is norm_reference.gemma_rows_f32

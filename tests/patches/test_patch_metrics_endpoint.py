@@ -172,7 +172,7 @@ def test_the_deployments_live_processes_are_on_metrics_and_the_rest_is_counted(t
     assert reports_ == {"live": 6, "gone": 4, "remote": 1, "skipped": 4, "folder-unset": 0}, reports_
     skipped = {s.labels["reason"]: s.value for s in samples if s.name == "drama3_patches_reports_skipped"}
     assert skipped == {"link": 1, "not-regular": 1, "foreign-owner": 1, "too-large": 1, "bad-name": 0,
-                       "invalid": 0, "unreadable": 0}, skipped
+                       "invalid": 0, "unreadable": 0, "over-limit": 0, "unlisted": 0}, skipped
     assert total(samples, "drama3_patches_collector_errors_total") == 0
     # Label values are from the fixed sets only: nothing from a report's text (reasons, argv, paths).
     for s in samples:
@@ -183,7 +183,8 @@ def test_the_deployments_live_processes_are_on_metrics_and_the_rest_is_counted(t
                                                 *map(str, info.values())}, s
 
 
-SKIPS = ("link", "not-regular", "too-large", "foreign-owner", "bad-name", "invalid", "unreadable")
+SKIPS = ("link", "not-regular", "too-large", "foreign-owner", "bad-name", "invalid", "unreadable", "over-limit",
+         "unlisted")
 STATUSES = ("live", "gone", "remote", "skipped", "folder-unset")
 
 
@@ -321,31 +322,66 @@ def test_the_collector_loads_only_when_vllm_builds_its_app():
 
 
 
+def _dashboard_and_rule_exprs() -> tuple[list[str], dict]:
+    import yaml
+
+    from support.prometheus import ALERTS_FILE, dashboard_queries
+
+    rules = yaml.safe_load(ALERTS_FILE.read_text())
+    return [e for _, e in dashboard_queries()] + [r["expr"] for g in rules["groups"] for r in g["rules"]], rules
+
+
+def _names_and_labels(prefix: str, expr: str):
+    """(series name, label keys its selector matches, label keys a ``by (...)`` groups it by) of
+    each series of ``expr`` whose name starts with ``prefix``."""
+    import re
+
+    groups = set()
+    for by in re.findall(r"by \(([^)]*)\)", expr):
+        groups |= {k.strip() for k in by.split(",")}
+    for name, selector in re.findall(rf"({re.escape(prefix)}[\w:]+)(?:\{{([^}}]*)\}})?", expr):
+        yield name, set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector)), groups
+
+
 @pytest.mark.forked  # the collector builds this process's engine
 def test_the_dashboard_and_the_alert_rules_query_only_series_and_labels_the_collector_exports():
     """docs/grafana: every drama3_patches_ series a panel or rule names, and every label it matches
     on, is one the collector's own samples have (a renamed series would leave a panel empty)."""
-    import re
-
-    import yaml
-
     from drama3_patches.metrics import PatchCollector
-    from support.subproc import ROOT
 
     exported: dict = {}
     for family in PatchCollector().collect():
         for sample in family.samples:
             exported.setdefault(sample.name, set()).update(sample.labels)
-    dashboard = json.loads((ROOT / "docs/grafana/drama3-patches.json").read_text())
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
-    rules = yaml.safe_load((ROOT / "docs/grafana/drama3-patches-alerts.yaml").read_text())
-    exprs += [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    exprs, rules = _dashboard_and_rule_exprs()
     used = 0
     for expr in exprs:
-        for name, selector in re.findall(r"(drama3_patches_\w+)(?:\{([^}]*)\})?", expr):
+        for name, keys, _ in _names_and_labels("drama3_patches_", expr):
             assert name in exported, (name, expr)
-            keys = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector))
             assert keys <= exported[name], (name, keys, expr)
             used += 1
     assert used >= 10 and "Drama3PatchFailed" in {r["alert"] for g in rules["groups"] for r in g["rules"]}
+
+
+def test_the_dashboards_audio_series_and_labels_are_those_vllm_omnis_published_code_defines():
+    """docs/grafana: every vllm_omni: series a panel or rule names is a sample name of a family
+    the installed vLLM-Omni's ``metrics/modality.py`` declares, and every label it matches on or
+    groups by (besides Prometheus's ``instance``/``job``) is one of that family's."""
+    from support import omni_audio
+
+    published = call(omni_audio.published_families, timeout=120)
+    families = {name: set(labels) for name, labels in published["families"].items()}
+    exprs, rules = _dashboard_and_rule_exprs()
+    named = set()
+    for expr in exprs:
+        for name, keys, groups in _names_and_labels("vllm_omni:", expr):
+            assert name in families, (name, published["version"], published["file"])
+            assert keys | groups <= families[name] | {"instance", "job"}, (name, keys | groups, expr)
+            named.add(name)
+    assert named == {"vllm_omni:audio_ttfp_s_bucket", "vllm_omni:audio_ttfp_s_count", "vllm_omni:audio_rtf_bucket",
+                     "vllm_omni:audio_underrun_s_bucket", "vllm_omni:audio_underrun_s_count",
+                     "vllm_omni:audio_frames_total", "vllm_omni:speech_stream_completed_total",
+                     "vllm_omni:speech_stream_aborted_total"}, named
+    # controls: a misspelled name and a label of ours are not in vLLM-Omni's families
+    assert "vllm_omni:audio_ttfa_s_bucket" not in families and "host" not in families["vllm_omni:audio_rtf_bucket"]
+    assert "Drama3AudioUnderrunShare" in {r["alert"] for g in rules["groups"] for r in g["rules"]}

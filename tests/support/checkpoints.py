@@ -4,7 +4,8 @@ product's safetensors writer); Drama 3's published format is the product's own g
 
 `python tests/support/checkpoints.py DIR` writes a fish_omni checkpoint of the published class's
 shape (sparse files: only the headers take disk space) for `drama3-patches plan DIR`;
-`--qwen3-next` writes the older Qwen3-Next stand-in.
+`--qwen3-next` writes the older Qwen3-Next stand-in; `--published-codec` gives codec.pth the published
+DAC's shapes (for `plan --time`'s stage 1; needs vllm-omni).
 """
 
 from __future__ import annotations
@@ -89,14 +90,32 @@ STANDIN_CFG = dict(CFG, hidden_size=2048, num_hidden_layers=48, full_attention_i
                    shared_expert_intermediate_size=768, vocab_size=151936)
 
 
+def write_published_codec_shapes(path: Path) -> bool:
+    """codec.pth with the published DAC's every tensor at its shape (vLLM-Omni's ``build_dac_codec`` on
+    the meta device), each a one-element tensor expanded: the file is kilobytes, torch.load gives the
+    shapes `plan --time` times stage 1 from. False where vLLM-Omni's DAC cannot be built here."""
+    try:
+        import torch
+        from vllm_omni.model_executor.models.fish_speech.dac_utils import build_dac_codec
+    except ImportError:
+        return False
+    with torch.device("meta"):
+        codec = build_dac_codec()
+    state = {name: torch.zeros((), dtype=t.dtype).expand(t.shape) for name, t in codec.state_dict().items()}
+    torch.save({"generator": state}, str(path))
+    return True
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] != "--qwen3-next"):
-        sys.exit("usage: python tests/support/checkpoints.py DIR [--qwen3-next]")
-    if len(sys.argv) == 3:
+    flags = set(sys.argv[2:])
+    if len(sys.argv) < 2 or not flags <= {"--qwen3-next", "--published-codec"}:
+        sys.exit("usage: python tests/support/checkpoints.py DIR [--qwen3-next | --published-codec]")
+    if "--qwen3-next" in flags:
         write_checkpoint(Path(sys.argv[1]), STANDIN_CFG, shards=4, sparse=True)
         print(f"wrote a sparse Qwen3-Next stand-in checkpoint to {sys.argv[1]}")
     else:
         write_fish_checkpoint(Path(sys.argv[1]), DRAMA3_CFG, shards=4, sparse=True)
+        if "--published-codec" in flags and not write_published_codec_shapes(Path(sys.argv[1]) / "codec.pth"):
+            sys.exit("--published-codec: the published DAC's shapes come from vllm-omni's build_dac_codec; "
+                     "run with the Python that has vllm-omni")
         print(f"wrote a sparse fish_omni checkpoint of the published class's shape to {sys.argv[1]}")

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from drama3_patches.kernels import npu_fused
 
-__all__ = ["FAULTS", "STAND_IN", "faulty", "fused_add_rms_norm", "fused_rms_norm"]
+__all__ = ["CONTRACT_FAULTS", "FAULTS", "STAND_IN", "WRONG_EPS", "faulty", "fused_add_rms_norm", "fused_rms_norm"]
 
 
 def _check_operands(x: Tensor, gamma: Tensor) -> None:
@@ -53,7 +53,25 @@ STAND_IN = npu_fused.FusedNorms(torch.ops.drama3_test.fused_rms_norm, torch.ops.
 
 
 #: what :func:`faulty` can get wrong
-FAULTS = ("arity", "shape", "values", "raises")
+FAULTS = ("arity", "shape", "values", "raises", "layernorm", "whole-row", "epsilon")
+#: the faults of another op's contract: right shape and arity, wrong arithmetic
+CONTRACT_FAULTS = ("layernorm", "whole-row", "epsilon")
+WRONG_EPS = 1e-5  # the ``epsilon`` fault's own eps (LayerNorm's usual default), whatever it is given
+
+
+def _other_norm(s32: Tensor, gamma: Tensor, eps: float, dtype, fault: str) -> Tensor:
+    """``s32`` normalised as a look-alike of the fused ops would: LayerNorm (the mean taken out),
+    over the whole row (every dimension but the first; for 2-D rows the whole batch) instead of
+    gamma's span, or with :data:`WRONG_EPS`."""
+    g = gamma.to(torch.float32)
+    dims = tuple(range(-gamma.dim(), 0))
+    if fault == "layernorm":
+        centred = s32 - s32.mean(dims, keepdim=True)
+        return (centred * torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps) * g).to(dtype)
+    if fault == "whole-row":
+        wide = tuple(range(1, s32.dim())) if s32.dim() > 2 else tuple(range(s32.dim()))
+        return (s32 * torch.rsqrt(s32.pow(2).mean(wide, keepdim=True) + eps) * g).to(dtype)
+    return _normalise(s32, gamma, WRONG_EPS, dtype)[0]
 
 
 def faulty(op: str, fault: str):
@@ -64,7 +82,9 @@ def faulty(op: str, fault: str):
       which broadcasts silently into whatever adds it;
     * ``values``: rms_norm leaves ``gamma`` out of ``y``; add_rms_norm returns ``x1`` as ``x_sum``
       (the residual never added);
-    * ``raises``: every call raises ``RuntimeError``, as an op refusing a dtype does.
+    * ``raises``: every call raises ``RuntimeError``, as an op refusing a dtype does;
+    * ``layernorm``, ``whole-row``, ``epsilon``: ``y`` from another norm (:func:`_other_norm`):
+      the mean taken out, the whole row normalised instead of each head, or another eps.
     """
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
@@ -80,6 +100,8 @@ def faulty(op: str, fault: str):
             return y
         if fault == "shape":
             return y.unsqueeze(0), rstd
+        if fault in CONTRACT_FAULTS:
+            return _other_norm(x.to(torch.float32), gamma, epsilon, x.dtype, fault), rstd
         return fused_rms_norm(x, torch.ones_like(gamma), epsilon)[0], rstd
 
     def add_rms_norm(x1, x2, gamma, epsilon=1e-6):
@@ -90,6 +112,9 @@ def faulty(op: str, fault: str):
             return y, x_sum
         if fault == "shape":
             return y, rstd, x_sum.unsqueeze(0)
+        if fault in CONTRACT_FAULTS:
+            s32 = x1.to(torch.float32) + x2.to(torch.float32)
+            return _other_norm(s32, gamma, epsilon, x1.dtype, fault), rstd, x_sum
         return y, rstd, x1.clone()
 
     if op == "npu_rms_norm":

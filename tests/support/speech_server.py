@@ -131,6 +131,7 @@ class SpeechServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.trickle_after: int | None = None  # requests after this many trickle, whatever their spec
+        self.trickling = threading.Event()  # set once a trickling response has sent its first byte
         # vLLM-Omni's profiler endpoints (served when a stage has a profiler_config): 404 when off;
         # on_stop_profile() runs before /stop_profile answers, as the worker writes its trace.
         self.profiler = True
@@ -228,8 +229,11 @@ class SpeechServer:
                     emit(wav_header(rate))
                 at = 0
                 for i, n in enumerate(pieces):
-                    # each chunk at its scheduled time from the request's start: no drift
-                    time.sleep(max(0.0, spec["first"] + times[i] - (time.perf_counter() - t0)))
+                    # the first samples at `first` from the request's start, each later chunk at its
+                    # scheduled time from the first one's actual send: no drift, and a first chunk a
+                    # loaded host sent late does not squeeze the rest of the stream together
+                    due = spec["first"] if i == 0 else sent[0] - t0 + times[i]
+                    time.sleep(max(0.0, due - (time.perf_counter() - t0)))
                     if spec["mode"] == "cut" and i == len(pieces) // 2:
                         self._leave()
                         self.wfile.write(b"400\r\npartial")  # a chunk that never completes
@@ -257,6 +261,7 @@ class SpeechServer:
                 mode = spec["mode"]
                 if mode == "trickle":
                     self._chunk(b":")
+                    server.trickling.set()
                     end = time.monotonic() + spec["trickle"]
                     while time.monotonic() < end:
                         time.sleep(0.05)

@@ -381,8 +381,9 @@ def _rendered_report(check_names: set[str]) -> str:
     from drama3_patches.tools.validate import profile
 
     comps = dict.fromkeys(profile.COMPONENTS, 1.0)
-    run.frame_time = {"steps": 2, "step_ms": {"p50": 5.0, "p90": 5.0, "mean": 5.0}, "components_ms": comps,
-                      "attributed": True, "component_sum_ms": 5.0, "coverage": 1.0, "trace": "T", "window_s": 1,
+    run.frame_time = {"steps": 2, "rank": "0", "steps_from": "S", "step_ms": {"p50": 5.0, "p90": 5.0, "mean": 5.0},
+                      "components_ms": comps, "unattributed_ms": 0.0, "rules": dict.fromkeys(profile.MUST_RUN, "R"),
+                      "problems": [], "trace": "T", "window_s": 1,
                       "top_ops": [{"name": "op", "ms_per_step": 1.0, "share": 0.2}]}
     run.stopped = {"terminated": 1, "killed": 0, "left": []}
     return run.markdown()
@@ -410,7 +411,8 @@ def test_the_example_validate_report_has_the_rows_tables_and_notes_the_code_writ
     names = _check_names()
     code = _rendered_report(names)
     assert _headers(example) == _headers(code)
-    check_table = [_cells(ln) for ln in example.splitlines() if ln.startswith("| ") and len(_cells(ln)) == 4][2:]
+    checks_block = example.split("| check | result |", 1)[1].split("\n\n", 1)[0]  # the first table: the checks
+    check_table = [_cells(ln) for ln in checks_block.splitlines() if ln.startswith("| ") and len(_cells(ln)) == 4][1:]
     assert {cells[0] for cells in check_table} == names
     assert all(cells[1] in ("pass", "**FAIL**", "n/a") for cells in check_table)
     for line in code.splitlines():

@@ -308,3 +308,19 @@ def test_require_stall_free_without_a_completed_c1_stream_is_no_pass():
     run.bench([_bench_level(2, STREAMS)], 3.0, require_stall_free=1.0)
     assert not run.checks["g"].passed
     assert "--require-stall-free 1: no completed concurrency-1 stream to judge" in run.checks["g"].detail
+
+
+def test_require_stall_free_c_is_wall_time_after_the_first_audio_as_its_help_says():
+    """C is the player's start delay after the first audio, not seconds of audio buffered: a stream
+    of 2 s of audio at once and 1 s more at 3 s needs D = 1 s (a player started at 0 with its 2 s
+    buffered would stall), so it passes at C = 1 and fails just below."""
+    from drama3_patches.tools import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    opt = next(a for a in sub.choices["validate"]._actions if "--require-stall-free" in a.option_strings)
+    assert "C seconds of wall time after its first audio" in opt.help and "buffered" not in opt.help
+    stream = {"line1": [(0.5, 2.0), (3.5, 1.0)]}
+    for cushion, passes in ((1.0, True), (0.99, False)):
+        run = _run()
+        run.bench([_bench_level(1, stream)], 1.0, require_stall_free=cushion)
+        assert run.checks["g"].passed is passes, (cushion, run.checks["g"].detail)

@@ -55,8 +55,15 @@ class Trace:
             self.py("<built-in function isinstance>", ts + i * dur / n + dur / n / 2, dur / n / 4)
 
     def step(self, t, *, backbone=1000.0, layers=3, layer=200.0, heads=2, head=50.0, main=80.0, code=30.0,
-             glue=100.0, prep=300.0, sample=70.0, idle=150.0, forward=True, annotate=True, modules=True):
-        """One decode step from ``t``; returns (end of the period, its expected components in ms)."""
+             glue=100.0, prep=300.0, sample=70.0, idle=150.0, forward=True, annotate=True, modules=True,
+             renamed=False, tower=True, nested=False):
+        """One decode step from ``t``; returns (end of the period, its expected components in ms).
+
+        ``renamed``: the backbone's records carry a subclass's names (vLLM-Ascend's kind: another
+        class, another file); ``tower=False``: the tower runs but leaves no record of its own;
+        ``nested``: the sampler's ``code`` calls run inside the last tower layer's record."""
+        qwen, layer_cls = (("vllm_ascend/patch/worker/patch_qwen3_5.py(88): forward", "AscendQwen3_5DecoderLayer")
+                           if renamed else (QWEN, "Qwen3_5DecoderLayer"))
         start = t
         t += prep  # the runner's input preparation (outside the forward)
         self.noise(start, prep)
@@ -73,8 +80,12 @@ class Trace:
         for _ in range(heads):
             parts.append(("head", t, head))
             t += head
-            parts.append(("code", t, code))
-            t += code
+            if nested:  # inside the last layer, in its second half
+                parts.append(("code", fwd_start + glue / 2 + backbone + main + layers * layer - (_ + 1) * code - 5,
+                              code))
+            else:
+                parts.append(("code", t, code))
+                t += code
         t += glue / 2
         fwd_dur = t - fwd_start
         if forward:
@@ -85,10 +96,10 @@ class Trace:
             if kind == "backbone":
                 if forward:
                     self.py(COMPILE, ts - 0.5, dur + 1)
-                    self.py(QWEN, ts, dur)
+                    self.py(qwen, ts, dur)
                 for k in range(2):  # decoder layers: modules and ops inside the backbone
                     if modules:
-                        self.py(f"nn.Module: Qwen3_5DecoderLayer_{k}", ts + 1 + k * dur / 2, dur / 2 - 2)
+                        self.py(f"nn.Module: {layer_cls}_{k}", ts + 1 + k * dur / 2, dur / 2 - 2)
                         self.py("nn.Module: ReplicatedLinear_0", ts + 2 + k * dur / 2, 10)
                     self.op("_C::onednn_mm", ts + 2.5 + k * dur / 2, 8)
                     self.op("_C::cpu_fused_moe", ts + 20 + k * dur / 2, dur / 4)
@@ -97,14 +108,14 @@ class Trace:
                     self.py(MAIN, ts, dur)
                 self.op("aten::topk", ts + 1, dur / 2)
             elif kind == "tower":
-                if modules:
+                if modules and tower:
                     self.py(f"nn.Module: TowerLayer_{part[3]}", ts, dur)
                     self.py("nn.Module: Linear_0", ts + 2, 10)  # a linear inside a layer is the layer's time
-                if forward:
+                if forward and tower:
                     self.py(TOWER_FWD, ts + 1, dur - 2)
                 self.op("aten::mm", ts + 3, 8)
             elif kind == "head":
-                if modules:
+                if modules and tower:
                     self.py("nn.Module: Linear_1", ts, dur)
                 self.op("aten::linear", ts + 1, dur - 2)
                 self.op("aten::mm", ts + 2, dur - 4)  # the linear's child: its self time is 2 us
@@ -118,11 +129,14 @@ class Trace:
             self.py(SAMPLE, t, sample)
         self.op("aten::copy_", t + 1, sample / 2)
         t += sample + idle
-        bb, tw = backbone, layers * layer + heads * head
         sm = main + heads * code
-        expected = {"backbone": bb / 1e3, "tower": tw / 1e3, "sampler": sm / 1e3,
-                    "other": (fwd_dur - bb - tw - sm) / 1e3,
-                    "outside_forward": (prep + 40 + sample) / 1e3}
+        bb, tw = backbone, (layers * layer + heads * head - (heads * code if nested else 0)) * tower
+        # what no kept record covers: the forward's own Python (its glue less the op in it), and the
+        # idle time between steps
+        rest = glue / 4
+        expected = {"backbone": bb / 1e3, "tower": tw / 1e3, "sampler": sm / 1e3, "rest_of_forward": rest / 1e3,
+                    "outside_forward": (prep + 40 + sample) / 1e3,
+                    "unattributed": (fwd_dur - bb - tw - sm - rest + idle) / 1e3}
         return t, expected
 
     def write(self, path: Path, gz: bool = True) -> Path:
@@ -144,25 +158,78 @@ def _steps(trace, n=4, t=1000.0, **kw):
     return exp
 
 
-def test_each_component_of_a_step_from_the_python_tracer_records(tmp_path):
+def _read(tr, tmp_path, name="dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz", **kw):
+    return profile.read(tr.write(tmp_path / name), **kw)
+
+
+def _mean(exp, key, n):
+    return sum(e[key] for _, e in exp[:n]) / n
+
+
+def test_each_component_of_a_step_is_the_time_its_own_records_cover(tmp_path):
     tr = Trace()
     tr.step(0.0, backbone=5000.0)
     first = [e for e in tr.events if e.get("name") == STEP][0]
     first["name"] = "execute_context_1(120)_generation_0(0)"  # a prefill step: not a decode step
     exp = _steps(tr, n=4, t=10000.0)
-    path = tr.write(tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz")
-    ft = profile.attribute(profile.load_events(path))
+    ft = _read(tr, tmp_path)
     # 4 decode steps: the last has no successor, so 3 periods; the prefill is left out
-    assert ft["steps"] == 3 and ft["attributed"] and ft["steps_from"] == "vLLM's step annotation"
+    assert ft["steps"] == 3 and ft["rank"] == "0" and ft["steps_from"] == "vLLM's step annotation"
     starts = [10000.0] + [t for t, _ in exp]
     periods = [(starts[i + 1] - starts[i]) / 1e3 for i in range(3)]
     assert ft["step_ms"]["mean"] == pytest.approx(sum(periods) / 3)
     assert ft["step_ms"]["p50"] == pytest.approx(sorted(periods)[1])
     for key in profile.COMPONENTS:
-        assert ft["components_ms"][key] == pytest.approx(sum(e[key] for _, e in exp[:3]) / 3), key
-    # the components cover the step but for the idle 150 us between steps
-    assert ft["component_sum_ms"] == pytest.approx(ft["step_ms"]["mean"] - 0.150)
-    assert ft["coverage"] == pytest.approx(ft["component_sum_ms"] / ft["step_ms"]["mean"])
+        assert ft["components_ms"][key] == pytest.approx(_mean(exp, key, 3)), key
+    # the forward's own Python and the idle time between steps: no record covers them
+    assert ft["unattributed_ms"] == pytest.approx(_mean(exp, "unattributed", 3))
+    assert ft["problems"] == []
+    assert ft["rules"]["backbone"].startswith("structure: the forward's first call holding decoder layers (2 x ")
+    assert ft["rules"]["tower"].startswith("structure:") and ft["rules"]["sampler"].startswith("structure:")
+
+
+def test_a_backbone_under_another_class_and_file_is_found_by_its_place(tmp_path):
+    """vLLM-Ascend replaces classes: the backbone's records carry a subclass's names. The forward's
+    first call holding a stack of decoder layers is still the backbone."""
+    tr = Trace()
+    exp = _steps(tr, n=3, t=0.0, renamed=True)
+    ft = _read(tr, tmp_path)
+    assert ft["components_ms"]["backbone"] == pytest.approx(_mean(exp, "backbone", 2))
+    assert ft["rules"]["backbone"] == ("structure: the forward's first call holding decoder layers "
+                                       "(2 x AscendQwen3_5DecoderLayer)")
+    assert ft["problems"] == []
+
+
+def test_a_tower_without_records_is_a_problem_and_its_time_is_not_given_to_another_component(tmp_path):
+    tr = Trace()
+    exp = _steps(tr, n=3, t=0.0, tower=False)
+    ft = _read(tr, tmp_path)
+    comps = ft["components_ms"]
+    assert comps["tower"] == 0.0 and ft["rules"]["tower"] is None
+    assert comps["backbone"] == pytest.approx(_mean(exp, "backbone", 2))
+    assert comps["sampler"] == pytest.approx(_mean(exp, "sampler", 2))
+    # the tower's ops (3 layers x 8 us, 2 heads x 48 us) are records inside the forward of no
+    # component; the tower's other 0.58 ms have no record
+    assert comps["rest_of_forward"] == pytest.approx(0.025 + (3 * 8 + 2 * 48) / 1e3)
+    assert ft["unattributed_ms"] == pytest.approx(_mean(exp, "unattributed", 2) - 0.120)
+    share = ft["unattributed_ms"] / ft["step_ms"]["mean"]
+    assert ft["problems"] == [f"tower: no record matched in 2 of 2 steps; {share:.0%} of the step is unattributed"]
+    md = "\n".join(profile.markdown(ft | {"window_s": 1}))
+    assert "Problems:" in md and f"- {ft['problems'][0]}" in md
+    assert "| tower | 0.00 | 0% | - |" in md
+    assert "1 problem(s): tower: no record matched" in profile.summary(ft)
+
+
+def test_a_sampler_nested_in_the_tower_is_counted_once_and_said(tmp_path):
+    tr = Trace()
+    exp = _steps(tr, n=3, t=0.0, nested=True)
+    ft = _read(tr, tmp_path)
+    for key in profile.COMPONENTS:
+        assert ft["components_ms"][key] == pytest.approx(_mean(exp, key, 2)), key
+    assert ft["unattributed_ms"] == pytest.approx(_mean(exp, "unattributed", 2))
+    assert ft["problems"] == ["sampler: 4 of its records lie inside the tower's in 2 of 2 steps: counted once, "
+                              "as the sampler's, and taken out of the tower"]
+    assert all(v >= 0 for v in ft["components_ms"].values())
 
 
 def test_top_ops_by_self_time(tmp_path):
@@ -193,55 +260,63 @@ def test_device_kernels_rank_the_top_ops_where_the_trace_has_them(tmp_path):
     assert ft["top_ops"][1]["ms_per_step"] == pytest.approx(0.120 / 2)
 
 
-def test_steps_without_any_model_record_are_not_attributed(tmp_path):
-    """A compiled stage 0 replays a graph: the step is measured, its parts are not guessed."""
+def test_steps_without_any_model_record_say_so_for_each_component(tmp_path):
+    """A compiled stage 0 replays a graph: the step is measured; its parts are problems, not zeros."""
     tr = Trace()
     _steps(tr, n=3, t=0.0, forward=False, modules=False)
-    ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
-    assert ft["steps"] == 2 and not ft["attributed"] and ft["components_ms"] is None
-    assert "cannot attribute" in ft["note"] and "captured graph" in ft["note"]
+    ft = _read(tr, tmp_path)
+    assert ft["steps"] == 2 and ft["components_ms"]["backbone"] == 0.0
+    assert ft["unattributed_ms"] == pytest.approx(ft["step_ms"]["mean"])
+    assert [p.split(":")[0] for p in ft["problems"]] == ["forward", "backbone", "tower", "sampler"]
+    assert ft["problems"][1] == "backbone: no record matched in 2 of 2 steps; 100% of the step is unattributed"
     assert ft["top_ops"][0]["name"] == "_C::cpu_fused_moe"  # the ops are still ranked
-    md = "\n".join(profile.markdown(ft | {"trace_dir": "x", "window_s": 3}))
-    assert "Components: cannot attribute time inside the step" in md
-    assert "not attributed" in profile.summary(ft)
+    assert "4 problem(s): forward: no record" in profile.summary(ft)
 
 
-def _partial(exp):
-    """What module records alone tell: the decoder layers (two of backbone/2 - 2 us) and the tower."""
-    return ([(e["backbone"] * 1e3 - 4) / 1e3 for _, e in exp], [e["tower"] for _, e in exp])
-
-
-def test_module_records_without_python_calls_attribute_backbone_and_tower_only(tmp_path):
-    """torch-npu with ``with_modules``: module records, no Python calls. The backbone's decoder
-    layers and the tower's layers and heads are read; the rest is said to be unattributed."""
+def test_module_records_without_python_calls_find_backbone_and_tower_by_their_place(tmp_path):
+    """torch-npu with ``with_modules``: module records, no Python calls. The first run of decoder
+    layers is the backbone, the modules after it the tower; the sampler and the forward leave no
+    record, which the problems say."""
     tr = Trace()
     exp = _steps(tr, n=4, t=0.0, forward=False)
-    ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
-    assert ft["steps"] == 3 and not ft["attributed"] and ft["steps_from"] == "vLLM's step annotation"
-    backbone, tower = _partial(exp[:3])
+    ft = _read(tr, tmp_path)
+    assert ft["steps"] == 3 and ft["steps_from"] == "vLLM's step annotation"
     comps = ft["components_ms"]
-    assert comps["backbone"] == pytest.approx(sum(backbone) / 3) and comps["tower"] == pytest.approx(sum(tower) / 3)
-    assert comps["sampler"] is comps["other"] is comps["outside_forward"] is None
+    # the decoder layers: two of backbone/2 - 2 us
+    assert comps["backbone"] == pytest.approx(sum(e["backbone"] - 0.004 for _, e in exp[:3]) / 3)
+    assert comps["tower"] == pytest.approx(_mean(exp, "tower", 3))
+    assert ft["rules"]["backbone"] == "structure: the first stack of layers called (2 x Qwen3_5DecoderLayer)"
+    assert comps["sampler"] == 0.0 and comps["rest_of_forward"] is None and comps["outside_forward"] is None
     assert ft["unattributed_ms"] == pytest.approx(ft["step_ms"]["mean"] - comps["backbone"] - comps["tower"])
-    assert ft["note"].startswith("partly attributed")
+    share = ft["unattributed_ms"] / ft["step_ms"]["mean"]
+    assert ft["problems"] == [
+        "forward: no record of the model's forward in 3 of 3 steps, so the rest of the forward and the time "
+        "outside it are not measured",
+        f"sampler: no record matched in 3 of 3 steps; {share:.0%} of the step is unattributed"]
     md = "\n".join(profile.markdown(ft | {"trace_dir": "x", "window_s": 3}))
-    assert "| sampler | - | - |" in md and f"| not attributed | {ft['unattributed_ms']:.2f} |" in md
-    assert "| sum |" not in md and "Components: partly attributed" in md
-    assert profile.summary(ft).endswith(f"{ft['unattributed_ms']:.1f} ms not attributed")
+    assert "| rest of forward | - | - | not measured |" in md
+    assert f"| unattributed | {ft['unattributed_ms']:.2f} |" in md
 
 
 def test_steps_from_the_towers_first_layer_where_no_step_is_annotated(tmp_path):
     """vllm-ascend's NPUWorker steps the profiler without opening a range: the tower's first layer,
     once per step, gives the cadence, and without a step's bounds the forward is not read whole."""
     tr = Trace()
-    _steps(tr, n=4, t=0.0, annotate=False)
-    ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
+    exp = _steps(tr, n=4, t=0.0, annotate=False)
+    ft = _read(tr, tmp_path)
     assert ft["steps"] == 3 and ft["steps_from"].startswith("the codebook tower's first layer")
     starts = [e["ts"] for e in tr.events if e.get("name") == "nn.Module: TowerLayer_0"]
     periods = [(starts[i + 1] - starts[i]) / 1e3 for i in range(3)]
     assert ft["step_ms"]["mean"] == pytest.approx(sum(periods) / 3)
-    assert not ft["attributed"] and "no step annotation bounds the step" in ft["note"]
-    assert ft["components_ms"]["backbone"] > 0 and ft["components_ms"]["sampler"] is None
+    comps, rules = ft["components_ms"], ft["rules"]
+    # the next step's backbone, the tower of the period, its code draws and the next main draw
+    assert comps["backbone"] == pytest.approx(sum(e["backbone"] for _, e in exp[1:4]) / 3)
+    assert comps["tower"] == pytest.approx(_mean(exp, "tower", 3))
+    assert comps["sampler"] == pytest.approx(_mean(exp, "sampler", 3))
+    assert rules["backbone"].startswith("structure: the forward's first call holding decoder layers")
+    assert rules["tower"].startswith("structure: the module calls from the tower's first layer to the backbone")
+    assert comps["rest_of_forward"] is None and ft["problems"][0].startswith("forward: no step annotation")
+    assert len(ft["problems"]) == 1
 
 
 def test_a_trace_without_steps_is_an_error(tmp_path):
@@ -304,16 +379,18 @@ def test_rank_zeros_newest_trace_is_read(tmp_path):
 def test_the_report_section_and_the_summary(tmp_path):
     tr = Trace()
     _steps(tr, n=4, t=0.0)
-    ft = profile.attribute(profile.load_events(tr.write(tmp_path / "t.pt.trace.json.gz")))
+    ft = _read(tr, tmp_path)
     ft |= {"trace": "out/profile/t.pt.trace.json.gz", "trace_dir": "out/profile", "window_s": 12.0}
     md = "\n".join(profile.markdown(ft))
     assert "### Per-frame time (stage 0, concurrency 1)" in md
+    assert "3 decode steps of rank 0 (steps from vLLM's step annotation)" in md
     assert f"a step every {ft['step_ms']['p50']:.1f} ms (p50)" in md
     for key, value in ft["components_ms"].items():
         assert f"| {key.replace('_', ' ')} | {value:.2f} |" in md
-    assert f"| sum | {ft['component_sum_ms']:.2f} | {ft['coverage']:.0%} of" in md
+    assert f"| backbone | {ft['components_ms']['backbone']:.2f} | " in md and ft["rules"]["backbone"] + " |" in md
+    assert f"| unattributed | {ft['unattributed_ms']:.2f} |" in md and "Problems:" not in md
     assert "| `_C::cpu_fused_moe` |" in md and "Trace: `out/profile/t.pt.trace.json.gz`" in md
-    assert profile.summary(ft).startswith("3 steps, a step every")
+    assert profile.summary(ft).startswith("3 steps of rank 0, a step every")
     err = {"error": "POST http://x/start_profile: HTTP 404", "window_s": 1.0}
     assert profile.markdown(err)[-2] == "Not measured: POST http://x/start_profile: HTTP 404."
     assert profile.markdown(None) == [] and profile.summary(None) == "not profiled"
@@ -371,7 +448,15 @@ def test_the_window_starts_and_stops_stage_0s_profiler_around_one_request(tmp_pa
     assert calls == [("/start_profile", [0]), ("/v1/audio/speech", None), ("/stop_profile", [0])]
     assert body["max_new_tokens"] == 3 + 2 + 4 and body["seed"] == 3000
     assert "error" not in ft, ft
-    assert ft["steps"] == 2 and ft["attributed"] and ft["trace"].endswith("rank0.5.pt.trace.json.gz")
+    assert ft["steps"] == 2 and ft["problems"] == [] and ft["trace"].endswith("rank0.5.pt.trace.json.gz")
+    # frame-time on the saved trace gives the same figures as validate's frame_time
+    from support.subproc import run_cli
+
+    done = run_cli("frame-time", ft["trace"], "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {k: v for k, v in ft.items() if k not in ("trace_dir", "window_s")}
+    text = run_cli("frame-time", ft["trace"])
+    assert text.returncode == 0 and text.stdout.strip() == "\n".join(profile.table(ft) + [f"Trace: `{ft['trace']}`"])
     assert ft["window_s"] > 0
 
 
@@ -421,3 +506,13 @@ def test_the_window_is_skipped_when_the_server_is_not_serving(tmp_path):
     assert ft == {"error": "skipped: 2 of row g's requests failed, so the server is not serving"}
     assert profile.markdown(ft)[-2] == "Not measured: skipped: 2 of row g's requests failed, so the server is " \
                                        "not serving."
+
+
+def test_a_function_of_torch_named_code_is_not_the_sampler(tmp_path):
+    """torch.fx's ``GraphModule.code`` property is a call named ``code`` too: not the sampler's."""
+    tr = Trace()
+    exp = _steps(tr, n=3, t=0.0)
+    for e in [e for e in tr.events if e.get("name") == "nn.Module: TowerLayer_0"]:
+        tr.py("/venv/lib/python3.11/site-packages/torch/fx/graph_module.py(881): code", e["ts"] + 20, 5)
+    ft = _read(tr, tmp_path)
+    assert ft["problems"] == [] and ft["components_ms"]["sampler"] == pytest.approx(_mean(exp, "sampler", 2))

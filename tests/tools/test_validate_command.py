@@ -91,21 +91,59 @@ def _scan(text: str) -> logscan.LogScan:
 def test_row_a_counts_only_stage0s_own_graph_capture_records():
     capture_logs = [
         "(StageEngineCoreProc_stage1_replica0 pid=15) INFO 12-04 [gpu_model_runner.py:9] Graph capturing finished "
-        "in 3 secs",
-        "(Worker pid=16) INFO 12-04 [acl_graph.py:1] Capturing ACL graphs for decode",
-        "(Worker_TP0 pid=13) WARNING 12-04 [acl_graph.py:1] ACL graph is disabled for this model",
-        "(APIServer pid=11) INFO 12-04 [x.py:1] Graph capturing finished in 0 secs",
+        "in 3 secs, took 0.10 GiB",
+        "(Worker pid=16) INFO 12-04 [acl_graph.py:301] ACL graph replay is active (logged once).",
+        "(Worker_TP0 pid=13) WARNING 12-04 [gpu_model_runner.py:9] Graph capturing finished in 1 secs, took 0.1 GiB",
+        "(APIServer pid=11) INFO 12-04 [x.py:1] Graph capturing finished in 0 secs, took 0.00 GiB",
     ]
     scan = _scan(LOG + "\n".join(capture_logs) + "\n")
     roles = scan.role_map(multi_rank_stage=0)
     assert scan.stage0_captures(roles) == 0  # stage 1's, the API server's, and a WARNING: none is stage 0's
-    scan = _scan(LOG + "(Worker_TP1 pid=14) INFO 12-04 [model_runner_v1.py:2] Graph capturing finished in 9 secs\n"
-                 "(StageEngineCoreProc_stage0_replica0 pid=12) INFO 12-04 [y.py:1] Capturing ACL graphs\n")
+    scan = _scan(LOG + "(Worker_TP1 pid=14) INFO 12-04 [model_runner_v1.py:2] Graph capturing finished in 9 secs, "
+                 "took 0.5 GiB\n(Worker_TP0 pid=13) DEBUG 12-04 [acl_graph.py:182] Capturing ACL graph (FULL, x)\n")
     assert scan.stage0_captures(scan.role_map(multi_rank_stage=0)) == 2
-    run = verdict.Run(profile="p", model="m", tp=2, ep=True, compiled=True,
-                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
-    run.startup(True, 40.0, "", 0)
-    assert not run.checks["a"].passed and "none of its processes logged a graph capture" in run.checks["a"].detail
+
+
+def _graph_run(captures_here=True) -> verdict.Run:
+    return verdict.Run(profile="p", model="m", tp=2, ep=True, compiled=True, capture_platform=captures_here,
+                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+
+
+COMPILED = ("(Worker_TP0 pid=13) INFO 12-04 [backends.py:399] Compiling a graph for compile range (1, 8) takes "
+            "2.10 s\n(Worker_TP1 pid=14) INFO 12-04 [backends.py:1167] Dynamo bytecode transform time: 3.2 s\n")
+CAPTURED = {13: "(Worker_TP0 pid=13) INFO 12-04 [model_runner.py:1128] Graph capturing finished in 9 secs, took "
+                "0.50 GiB\n",
+            14: "(Worker_TP1 pid=14) INFO 12-04 [acl_graph.py:301] ACL graph replay is active (logged once).\n"}
+DISABLED = ("(Worker_TP0 pid=13) INFO 12-04 [platform.py:1338] cudagraph_mode FULL_AND_PIECEWISE is unsupported on "
+            "NPU; falling back to NONE.\n(Worker_TP1 pid=14) INFO 12-04 [acl_graph.py:1] ACL graph replay is "
+            "disabled\n")
+
+
+@pytest.mark.parametrize("log, passed, says", [
+    (COMPILED + CAPTURED[13] + CAPTURED[14], True, "captured graphs on each of its 2 worker(s) (2 capture record(s)), "
+                                                   "2 compile record(s)"),
+    (COMPILED, False, "stage 0 compiled but captured no graph (2 compile record(s), no capture record)"),
+    (COMPILED + DISABLED, False, "stage 0 compiled but captured no graph"),
+    (COMPILED + CAPTURED[13], False, "captured graphs on 1 of 2 workers: worker stage 0 rank 1 logged no capture "
+                                     "record"),
+], ids=["captured", "compile-only", "capture-disabled", "one-rank"])
+def test_row_a_passes_a_graph_profile_only_on_capture_records_from_each_stage0_worker(log, passed, says):
+    scan = _scan(LOG + log)
+    run = _graph_run()
+    run.startup(True, 40.0, "", scan.stage0_graphs(scan.role_map(multi_rank_stage=0)))
+    assert run.checks["a"].passed is passed and says in run.checks["a"].detail, run.checks["a"].detail
+
+
+def test_row_a_on_a_platform_without_capture_says_compiled_not_captured():
+    scan = _scan(LOG + COMPILED)
+    run = _graph_run(captures_here=False)
+    run.startup(True, 40.0, "", scan.stage0_graphs(scan.role_map(multi_rank_stage=0)))
+    assert run.checks["a"].passed
+    assert run.checks["a"].detail == ("ready in 40 s; stage 0 compiled (2 compile record(s)); capture not available "
+                                      "on this platform")
+    run = _graph_run(captures_here=False)
+    run.startup(True, 40.0, "", _scan(LOG).stage0_graphs(_scan(LOG).role_map(multi_rank_stage=0)))
+    assert not run.checks["a"].passed and "logged no compile record" in run.checks["a"].detail
 
 
 def test_the_log_is_read_incrementally_with_bounded_lines(tmp_path):
@@ -163,9 +201,105 @@ def test_the_patch_table_wants_every_role_and_the_stage0_patches_on_each_rank():
                                   _proc(5, "worker stage 0 rank 1", {}, tp_steps_checked=7)], "tp_steps_checked") == 7
 
 
+@pytest.mark.parametrize("ranks, verified", [
+    ({"rank 0": (2, 2), "rank 1": (2, 2)}, 2),
+    ({"rank 0": (2, 1), "rank 1": (1, 1)}, 0),  # per-counter minima said 1 of 1: rank 0's miss hidden
+    ({"rank 0": (2, 2), "rank 1": (2, 0)}, 0),
+])
+def test_row_c_counts_a_resume_verified_only_where_every_rank_verified_its_own(ranks, verified):
+    procs = [_proc(4 + i, f"worker stage 0 {rank}", {}, resumes=r, resumes_verified=v)
+             for i, (rank, (r, v)) in enumerate(ranks.items())]
+    resumes = evidence.stage0_count(procs, "resumes")
+    assert evidence.stage0_count(procs, "resumes_verified") == verified
+    run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    before = dict.fromkeys(evidence.COUNTERS, 0)
+    after = {k: evidence.stage0_count(procs, k) for k in evidence.COUNTERS} | {"preemptions": 2}
+    run.preemption(phases.Phase(), before, after, [])
+    assert run.checks["c"].passed is (verified == resumes), run.checks["c"].detail
+
+
 def _sent(samples: int, rate=44100, ok=True, frames=10):
     r = Result("x", ok=ok, error="" if ok else "HTTP 500", audio_s=samples / rate, sample_rate=rate)
     return phases.Sent("x", r, frames)
+
+
+def _clone(arrivals, frames=10):
+    sent = _sent(frames * 2048, frames=frames)
+    sent.result.chunks = [(t, frames * 2048 / 44100 / len(arrivals)) for t in arrivals]
+    sent.result.start, sent.result.end = arrivals[0] - 1, arrivals[-1]
+    return sent
+
+
+@pytest.mark.parametrize("clones, passed, says", [
+    ([([1.0, 1.5, 2.0], 10), ([1.2, 1.7, 2.2], 10)], True, "chunks per clone: 3, 3"),
+    ([([1.0], 10), ([1.2, 1.7], 10)], False, "1 of 2 clones arrived in one piece"),
+    ([([1.0, 1.0005, 1.001], 10), ([1.2, 1.2004], 10)], False,
+     "2 of 2 clones arrived in one piece (fewer than 2 chunks, or the first audio less than 10 ms before the "
+     "last chunk)"),
+    ([([1.0, 1.5], 10), ([1.2], 6)], True, "1 ended within the first 6-frame window (not judged for streaming)"),
+    ([([1.0], 5), ([1.2], 6)], False, "no clone ran past the first window, so none shows it streamed"),
+], ids=["streamed", "one-chunk", "buffered-then-sent", "one-short", "all-short"])
+def test_row_b_requires_each_clone_to_stream(clones, passed, says):
+    """A clone of more frames than the codec's first window (6) must stream; a shorter one cannot."""
+    run = verdict.Run(profile="p", model="m", tp=1, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    run.clones(phases.Phase(sent=[_clone(arrivals, frames) for arrivals, frames in clones]), [])
+    assert run.checks["b"].passed is passed and says in run.checks["b"].detail, run.checks["b"].detail
+
+
+class _Scan:
+    bad_count, bad_shown, drift = 0, [], False
+
+    def __init__(self, records):
+        self.records = records
+
+
+@pytest.mark.parametrize("records, passed, says", [
+    ({2: 5, 4: 3, 5: 1}, True, "records from 3 stage-0 process(es) (served at VLLM_LOGGING_LEVEL=INFO"),
+    ({2: 5, 4: 3}, False, "worker stage 0 rank 1 (pid 5) logged nothing"),
+    ({}, False, "engine-core stage 0 (pid 2) logged nothing"),
+], ids=["every-process", "silent-rank", "nothing"])
+def test_row_f_requires_records_from_each_stage0_process(records, passed, says):
+    run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    run.ready = True
+    procs = [_proc(1, "api-server", {}), _proc(2, "engine-core stage 0", {}), _proc(4, "worker stage 0 rank 0", {}),
+             _proc(5, "worker stage 0 rank 1", {})]
+    run.final(dict.fromkeys(evidence.COUNTERS, 0), procs, [], _Scan(records))
+    assert run.checks["f"].passed is passed and says in run.checks["f"].detail, run.checks["f"].detail
+
+
+@pytest.mark.parametrize("steps, drift, says", [
+    (0, False, "0 step(s) compared across 2 ranks: no step was compared"),
+    (40, True, "40 step(s) compared across 2 ranks; TensorParallelDrift in the log"),
+], ids=["nothing-compared", "drift"])
+def test_row_d_fails_when_no_step_was_compared_or_the_ranks_drifted(steps, drift, says):
+    run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    scan = _Scan({})
+    scan.drift = drift
+    run.final(dict.fromkeys(evidence.COUNTERS, 0) | {"tp_steps_checked": steps}, [], [], scan)
+    assert not run.checks["d"].passed and run.checks["d"].detail == says
+    scan.drift = False
+    run.final(dict.fromkeys(evidence.COUNTERS, 0) | {"tp_steps_checked": 40}, [], [], scan)
+    assert run.checks["d"].passed
+
+
+def test_row_g_fails_on_a_failed_bench_request():
+    run = verdict.Run(profile="p", model="m", tp=1, ep=False, compiled=False,
+                      scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
+    level = {"max_concurrency": 1, "completed": 0, "median_ttft_ms": None, "audio_throughput": None,
+             "mean_rtf": None, "failures": [{"utt": "line3", "error": "HTTP 500"}], "requests": [], "playout": None}
+    run.bench([level], 1.0)
+    assert not run.checks["g"].passed and "failed: line3: HTTP 500" in run.checks["g"].detail
+
+
+def test_the_log_counts_records_per_process_and_the_server_logs_at_info():
+    scan = _scan("(Worker_TP1 pid=14) INFO 12-04 [a.py:1] x\n(Worker_TP1 pid=14)   continued\n"
+                 "(Worker_TP0 pid=13) WARNING 12-04 [a.py:1] y\nno prefix INFO z\n")
+    assert dict(scan.records) == {14: 1, 13: 1}
+    assert logscan.SERVER_ENV == {"VLLM_LOGGING_LEVEL": "INFO"}
 
 
 def test_a_request_counts_only_in_whole_44k_frames_within_what_it_asked():
@@ -176,10 +310,11 @@ def test_a_request_counts_only_in_whole_44k_frames_within_what_it_asked():
     assert _sent(0, ok=False).problem() == "x: HTTP 500"
 
 
-def test_the_verdict_passes_only_when_every_phase_ran_and_passed():
+def test_the_verdict_passes_only_when_every_phase_ran_and_passed(monkeypatch):
+    monkeypatch.delenv("DRAMA3_PATCHES", raising=False)  # the fix then says to switch them on
     run = verdict.Run(profile="p", model="m", tp=2, ep=False, compiled=False,
                       scale=deploy.Scale(kv_blocks=20, max_model_len=512, frames=10))
-    run.startup(False, 31.0, "the server exited with status 1 before it was ready", 0)
+    run.startup(False, 31.0, "the server exited with status 1 before it was ready", {})
     scan = _scan("(StageEngineCoreProc_stage0_replica0 pid=12) ERROR 12-04 [fish_omni_model.py:186] "
                  "NotImplementedError: fish_omni runs with one tensor and pipeline rank\n")
     run.final(dict.fromkeys(evidence.COUNTERS, 0), [], [], scan)
@@ -269,6 +404,41 @@ def test_the_diagnosis_prefers_the_first_specific_cause_over_an_engine_that_died
     assert diagnose.explain(None, scan.found) == []
 
 
+def test_a_signatures_context_is_read_in_the_same_process_only():
+    """An OOM in one worker is not 'at expert load' because another process loaded experts just before."""
+    expert_lines = SIGNATURE_LOGS["out of memory at expert load"][:2]
+    other = [ln.replace("(Worker_TP0 pid=13)", "(Worker_TP1 pid=14)") for ln in expert_lines]
+    oom = SIGNATURE_LOGS["out of memory at expert load"][2]
+    assert _scan("\n".join(other + [oom]) + "\n").found.likely().signature.name == "out of memory"
+    assert _scan("\n".join(expert_lines + [oom]) + "\n").found.likely().signature.name == \
+        "out of memory at expert load"
+
+
+# what each fact of a run would make a fix name needlessly
+_NAMES_IN_USE = {"patches_on": "export DRAMA3_PATCHES=1",
+                 "tp2_ep": "serve stage 0 at tensor parallel 2 with expert parallel"}
+
+
+@pytest.mark.parametrize("fact", sorted(_NAMES_IN_USE))
+def test_no_fix_names_what_the_run_already_uses(fact):
+    named = [sig.name for sig in diagnose.SIGNATURES if _NAMES_IN_USE[fact] in sig.fix]
+    assert named, f"no signature's fix names {_NAMES_IN_USE[fact]!r}: the check would pass on nothing"
+    for sig in diagnose.SIGNATURES:
+        given = diagnose.fix_for(sig, {fact: True})
+        assert _NAMES_IN_USE[fact] not in given, (sig.name, given)
+        if sig.name in named:
+            assert given != sig.fix and given in diagnose.explain(
+                verdict.Check("a. start-up", False, "x"), _scan("\n".join(SIGNATURE_LOGS[sig.name]) + "\n").found,
+                {fact: True})[2]
+
+
+def test_the_run_facts_say_what_the_run_uses(monkeypatch):
+    monkeypatch.setenv("DRAMA3_PATCHES", "1")
+    assert diagnose.run_facts(2, True) == {"tp2_ep": True, "patches_on": True}
+    monkeypatch.setenv("DRAMA3_PATCHES", "0")
+    assert diagnose.run_facts(2, False) == {"tp2_ep": False, "patches_on": False}
+
+
 def _report(folder, host, pid, written_at, states=None, process=None):
     folder.mkdir(exist_ok=True, mode=0o700)
     data = {"pid": pid, "host": host, "enabled": True, "written_at": written_at,
@@ -294,6 +464,7 @@ def test_only_this_runs_reports_count(tmp_path):
 
 def test_force_removes_an_earlier_runs_outputs_and_nothing_else(tmp_path):
     from drama3_patches.tools import validate
+    from drama3_patches.tools.validate.outdir import OutFolder
 
     out = tmp_path / "out"
     (out / "reports").mkdir(parents=True)
@@ -305,7 +476,10 @@ def test_force_removes_an_earlier_runs_outputs_and_nothing_else(tmp_path):
     outside.mkdir()
     (outside / "keep").write_text("x")
     (out / "refs").symlink_to(outside)
-    validate._clear_outputs(out)
+    folder = OutFolder(out)
+    folder.check(force=True)
+    validate._clear_outputs(folder)
+    folder.close()
     assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
     assert (outside / "keep").is_file()  # a link is removed, never followed
 

@@ -128,3 +128,56 @@ def test_no_process_of_the_server_outlives_validate_and_the_report_is_written(tm
         assert checks["a"]["detail"].startswith("not run: interrupted by SIG")
     assert (tmp_path / "out" / "report.md").read_text().startswith("## drama3-patches validate: FAILED")
     print(f"{case}: exit {result['exit']}, {took:.1f} s, stop {report['server_stop']}")
+
+
+# -- stopping never waits on the server -------------------------------------------------------
+
+
+@pytest.mark.forked
+def test_a_signal_in_the_profile_window_stays_interrupted_and_leaves_the_stop_to_validate(tmp_path):
+    """A SIGTERM while the profiled request streams: ``Interrupted`` leaves the window as it is (no
+    ``/stop_profile`` inside it to wait on or fail); the stop validate posts afterwards waits a
+    bounded time on a server that never answers it, and says why it did not answer."""
+    import threading
+
+    from support.speech_server import SpeechServer, wav_header
+
+    from drama3_patches.tools.bench.speech import MetaLine
+    from drama3_patches.tools.validate import Interrupted, Signals, profile
+
+    ref = tmp_path / "ref.wav"
+    ref.write_bytes(wav_header(16000)[:-4] + (4).to_bytes(4, "little") + b"\0" * 4)
+    line = MetaLine("line0", "a", str(ref), "mode=trickle trickle=30")
+    release = threading.Event()
+    with SpeechServer() as server:
+        server.on_stop_profile = lambda: release.wait(30)  # a server that never answers /stop_profile
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+        try:
+            with Signals(lambda msg: None):
+                timer.start()
+                with pytest.raises(Interrupted) as caught:
+                    profile.measure(server.url, line, tmp_path / "profile", steps=2, delay=3, timeout=60)
+            assert caught.value.signum == signal.SIGTERM
+            assert [r["path"] for r in server.requests] == ["/start_profile", "/v1/audio/speech"]
+            why = profile.stop_after_signal(server.url, timeout=1)
+            assert [r["path"] for r in server.requests][-1] == "/stop_profile"
+            assert why is not None and why.startswith(f"POST {server.url}/stop_profile:"), why
+        finally:
+            timer.cancel()
+            release.set()
+
+
+def test_the_host_facts_stop_waiting_when_the_run_is_ending():
+    """A fact whose child would run a minute is given up once the run ends (the stop is set);
+    without the stop the same child is waited for."""
+    import threading
+
+    from drama3_patches.tools.validate import facts
+
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    got = facts._run(["/bin/sh", "-c", "echo $$; exec sleep 60"], 120, stop=stop)
+    assert got == {"absent": "not gathered: the run was ending"}
+    assert facts._run(["/bin/sh", "-c", "echo waited"], 120, stop=threading.Event()) == \
+        {"exit": 0, "output": "waited\n"}
+    assert facts.collect(stop=stop)["doctor"] == {"absent": "not gathered: the run was ending"}

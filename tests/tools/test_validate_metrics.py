@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from drama3_patches.tools.validate import metrics
+from drama3_patches.tools.validate.outdir import OutFolder
 
 PAGE = """\
 # HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
@@ -51,6 +52,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
+def out(tmp_path):
+    """validate's output folder, as validate makes it (written through its descriptor)."""
+    folder = OutFolder(tmp_path / "out")
+    folder.create()
+    yield folder
+    folder.close()
+
+
+@pytest.fixture
 def server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -60,10 +70,10 @@ def server():
     srv.server_close()
 
 
-def test_save_writes_the_page_and_returns_this_projects_samples(server, tmp_path):
-    got = metrics.save(server, tmp_path)
+def test_save_writes_the_page_and_returns_this_projects_samples(server, out):
+    got = metrics.save(server, out)
     assert "error" not in got
-    assert (tmp_path / "metrics.txt").read_text() == PAGE and got["file"] == str(tmp_path / "metrics.txt")
+    assert (out / "metrics.txt").read_text() == PAGE and got["file"] == str(out / "metrics.txt")
     samples = got["samples"]
     assert {s.name for s in samples} == {"drama3_patches_patch_state", "drama3_patches_events_total"}
     assert len(samples) == 6
@@ -74,30 +84,30 @@ def test_save_writes_the_page_and_returns_this_projects_samples(server, tmp_path
     assert applied == ["0", "1"]
 
 
-def test_a_page_over_the_bound_is_not_read_whole(server, tmp_path, monkeypatch):
+def test_a_page_over_the_bound_is_not_read_whole(server, out, monkeypatch):
     monkeypatch.setattr(metrics, "MAX_PAGE_BYTES", 4096)
-    got = metrics.save(server + "/huge", tmp_path)
+    got = metrics.save(server + "/huge", out)
     assert got["samples"] == [] and got["file"] is None and "over 4096 bytes" in got["error"]
-    assert not (tmp_path / "metrics.txt").exists()
+    assert not (out / "metrics.txt").exists()
 
 
-def test_a_page_that_is_not_prometheus_text_is_kept_and_said(server, tmp_path):
-    got = metrics.save(server + "/garbage", tmp_path)
+def test_a_page_that_is_not_prometheus_text_is_kept_and_said(server, out):
+    got = metrics.save(server + "/garbage", out)
     assert got["samples"] == [] and got["error"].startswith("not a Prometheus page")
-    assert (tmp_path / "metrics.txt").read_text() == "drama3_patches_x{ 1\n"
+    assert (out / "metrics.txt").read_text() == "drama3_patches_x{ 1\n"
 
 
 @pytest.mark.parametrize("path, why", [("/down", "503"), ("/nowhere", "404")])
-def test_a_server_that_does_not_answer_200_is_an_error_line(server, tmp_path, path, why):
-    got = metrics.save(server + path, tmp_path)
+def test_a_server_that_does_not_answer_200_is_an_error_line(server, out, path, why):
+    got = metrics.save(server + path, out)
     assert got["samples"] == [] and why in got["error"]
 
 
-def test_an_unreachable_server_is_an_error_line(tmp_path):
+def test_an_unreachable_server_is_an_error_line(out):
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
-    got = metrics.save(f"http://127.0.0.1:{port}", tmp_path, timeout=5)
+    got = metrics.save(f"http://127.0.0.1:{port}", out, timeout=5)
     assert got["samples"] == [] and "Connection refused" in got["error"]

@@ -25,6 +25,8 @@ until that chunk arrives and then plays on (it re-anchors: the silence is not ma
 
 from __future__ import annotations
 
+from drama3_patches.tools.bench.stats import percentile
+
 CODEC_RATE = 44100  # Drama 3's DAC
 FRAME_SAMPLES = 2048  # one stage-0 step makes one frame of this many samples
 FRAME_S = FRAME_SAMPLES / CODEC_RATE  # 46.4 ms of audio per frame
@@ -95,8 +97,6 @@ def request_figures(chunks, ttfa: float | None) -> dict:
 
 
 def _quantiles(values: list[float]) -> dict:
-    from drama3_patches.tools.bench.speech import percentile
-
     return {f"p{q}": percentile(values, q) for q in QUANTILES}
 
 

@@ -38,6 +38,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from drama3_patches.tools.bench.stats import percentile
 from drama3_patches.tools.files import MIB, InputError, read_text
 
 SPEECH_PATH = "/v1/audio/speech"
@@ -265,11 +266,17 @@ def _connection(url: str, timeout: float):
 
 _ACTIVE: set = set()  # the deadlines of the requests in flight, for expire_all
 _ACTIVE_LOCK = threading.Lock()
+# Set by expire_all, cleared when a level starts: a worker that took its line before the Ctrl-C
+# but entered its deadline after it (building the body) is cut too, not left to run to --timeout
+# while the interpreter's exit waits for it.
+_STOPPED = threading.Event()
 
 
 def expire_all() -> None:
-    """End every request in flight now (Ctrl-C): each fails with its deadline's error."""
+    """End every request in flight now (Ctrl-C), and any that starts after: each fails with its
+    deadline's error."""
     with _ACTIVE_LOCK:
+        _STOPPED.set()
         active = list(_ACTIVE)
     for deadline in active:
         deadline.timer.cancel()
@@ -304,7 +311,11 @@ class Deadline:
     def __enter__(self):
         with _ACTIVE_LOCK:
             _ACTIVE.add(self)
-        self.timer.start()
+            stopped = _STOPPED.is_set()
+        if stopped:
+            self._expire()
+        else:
+            self.timer.start()
         return self
 
     def __exit__(self, *exc):
@@ -411,6 +422,8 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
     deadline = Deadline(conn, s.timeout)
     try:
         with deadline:
+            if deadline.expired:  # a Ctrl-C before this request began
+                raise TimeoutError("interrupted before the request was sent")
             conn.connect()  # bounded by the socket timeout; the deadline may pass during it
             deadline.connected()
             if deadline.expired:
@@ -457,17 +470,6 @@ def speak(line: MetaLine, s: Settings, clock=time.perf_counter) -> Result:
         if s.keep_audio:
             res.audio = b"".join(counter.chunks)
     return res
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default, which vLLM's benchmark uses)."""
-    if not values:
-        return None
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 PERCENTILES = (50, 99)
@@ -553,6 +555,7 @@ def speak_kept(line: MetaLine, s: Settings) -> Result:
 
 def run_level(lines: list[MetaLine], concurrency: int, s: Settings, warmup: int = 0, progress=None) -> Level:
     """``progress``: an object with ``tick(ok)`` (see ``progress.make``), or None."""
+    _STOPPED.clear()  # a level after an interrupted one (a caller that went on) streams again
     for line in lines[:warmup]:
         speak_kept(line, s)  # excluded: first-request costs (graph warm-up, caches)
 

@@ -54,6 +54,9 @@ def register(sub) -> None:
                         "text_config first)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on standard error")
+    from drama3_patches.tools.plan import timecli
+
+    timecli.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -97,7 +100,8 @@ def _progress(args):
 def run(args) -> int:
     from drama3_patches.tools.files import InputError
     from drama3_patches.tools.plan.cards import UnknownCard, lookup
-    from drama3_patches.tools.plan.model import Options, PlanError, load_checkpoint, make_plan, smallest_fit
+    from drama3_patches.tools.plan.model import (Options, PlanError, checkpoint_sums, load_checkpoint, make_plan,
+                                                 smallest_fit)
     from drama3_patches.tools.report import format_bytes, table
 
     def fail(msg: str, code: int = 2) -> int:
@@ -106,7 +110,9 @@ def run(args) -> int:
 
     from drama3_patches.tools.plan.inputs import check_options
 
-    bad = check_options(args)
+    from drama3_patches.tools.plan import timecli
+
+    bad = check_options(args) or (timecli.check(args) if args.time else None)
     if bad:
         return fail(bad)
     try:
@@ -133,7 +139,8 @@ def run(args) -> int:
         opts = Options(card=card, reserve_gib=args.reserve_gib, **settings)
         plan = make_plan(ckpt, opts)
         fit = smallest_fit(ckpt, opts)
-    except (PlanError, InputError) as exc:
+        timed = timecli.compute(args, ckpt, plan, checkpoint_sums(ckpt)) if args.time else None
+    except (PlanError, InputError, timecli.calibrate.FitError) as exc:
         return fail(str(exc))
 
     f, s = plan.figures, plan.shape
@@ -147,7 +154,8 @@ def run(args) -> int:
             "config_section": ckpt.text_section, "config_source": ckpt.config_source, "model_type": ckpt.kind,
             "files": ckpt.files, "tensors": len(ckpt.tensors),
             "codec_tensors": None if ckpt.codec is None else len(ckpt.codec),
-        }, indent=2))
+            **({"time": timed} if timed else {}),
+        }, indent=2, default=str))
         return 0 if plan.fits else 1
 
     note = f" ({card.note})" if card.note else ""
@@ -229,4 +237,6 @@ def run(args) -> int:
         print(f"smallest that fits: TP {tp}" + (f" ({how})" if how else ""))
     else:
         print("smallest that fits: none up to TP 16 with these settings")
+    if timed:
+        timecli.print_text(timed)
     return 0 if plan.fits else 1

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import signal
 import sys
 import time
@@ -85,8 +84,8 @@ def register(sub) -> None:
                    help="seconds the server's processes get to end on TERM before KILL (default 60)")
     r.add_argument("--note", action="append", default=[], help="a line for the report's notes (repeatable)")
     r.add_argument("--require-stall-free", type=float, metavar="C",
-                   help="fail row g unless every concurrency-1 stream plays without a stall once C seconds of "
-                        "audio are buffered (for the cards; a CPU host is far slower than real time)")
+                   help="fail row g unless every concurrency-1 stream plays without a stall when its player starts "
+                        "C seconds of wall time after its first audio, D <= C (for the cards: a CPU host is slow)")
     r.add_argument("--no-profile", action="store_true", help="skip the per-frame time (stage 0 is then served "
                                                             "without a profiler_config)")
     r.add_argument("--profile-steps", type=int, default=24,
@@ -94,9 +93,12 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _check_args(args) -> None:
+def _check_args(args):
+    """Every argument checked before anything runs; returns ``--out`` as an ``outdir.OutFolder``
+    (an existing one checked and held open; made after the host check otherwise)."""
     from drama3_patches import env
     from drama3_patches.tools.files import InputError
+    from drama3_patches.tools.validate.outdir import OutFolder
 
     if args.require_stall_free is not None and not 0 <= args.require_stall_free < 3600:
         raise InputError("--require-stall-free must be between 0 and 3600 seconds of audio")
@@ -110,25 +112,20 @@ def _check_args(args) -> None:
     for flag in ("start_timeout", "request_timeout", "stop_grace"):
         if not 0 < getattr(args, flag) < 1e6:
             raise InputError(f"--{flag.replace('_', '-')} must be a number of seconds above 0")
-    out = Path(args.out)
-    if out.is_symlink() or (out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.force))):
-        raise InputError(f"--out {out} exists and is not an empty folder; give a new one, or --force")
     if args.model and not (Path(args.model) / "config.json").is_file():
         raise InputError(f"--model {args.model}: no config.json there; give a Drama 3 checkpoint folder")
     problem = env.fault_problem()
     if problem:  # a misspelt negative control must not run as a normal run
         raise InputError(problem)
+    out = OutFolder(args.out)
+    out.check(force=args.force)  # last: an InputError above leaves no descriptor open
+    return out
 
 
-def _clear_outputs(out: Path) -> None:
-    """An earlier run's outputs, removed (links removed, never followed): its reports would be read
-    as this run's, its audio listed beside this run's."""
-    for name in OUTPUTS:
-        path = out / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
+def _clear_outputs(out) -> None:
+    """An earlier run's outputs, removed through the checked folder's descriptor (links removed,
+    never followed): its reports would be read as this run's, its audio listed beside this run's."""
+    out.clear(OUTPUTS)
 
 
 class Interrupted(BaseException):
@@ -148,6 +145,8 @@ class Signals:
         self.say = say
         self.first: int | None = None
         self.finishing = False
+        self._deferring = False
+        self._pending = False
         self._old: dict = {}
 
     def __enter__(self):
@@ -163,6 +162,9 @@ class Signals:
         raising = self.first is None and not self.finishing
         if self.first is None:
             self.first = signum
+        if raising and self._deferring:
+            self._pending = True  # raised when deferred() ends
+            return
         if raising:
             raise Interrupted(signum)
         self.say(f"{signal.Signals(signum).name}: already finishing; writing the report and stopping the server "
@@ -170,6 +172,23 @@ class Signals:
 
     def finish(self) -> None:
         self.finishing = True
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A first signal taken inside is raised (:class:`Interrupted`) only when the block ends, so
+        that what the block assigns (the server's handle, from fork to return) is assigned. Python
+        runs its signal handlers in the main thread only, whichever thread the kernel delivered the
+        signal to, so this holds against every thread; masking signals in the main thread alone
+        would not (numpy's and torch's threads take a process-directed signal)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending:
+            self._pending = False
+            if not self.finishing:
+                raise Interrupted(self.first)
 
     @property
     def exit_code(self) -> int | None:
@@ -181,13 +200,16 @@ def run(args) -> int:
     from drama3_patches.tools.validate import deploy as deploys
     from drama3_patches.tools.validate import preflight
 
-    _check_args(args)
-    name, loaded = deploys.load(args.profile or (None if args.deploy else "910b-tp2-ep"), args.deploy)
-    preflight.check(need_tiny_model=not args.model)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if args.force:
-        _clear_outputs(out)
+    out = _check_args(args)
+    try:
+        name, loaded = deploys.load(args.profile or (None if args.deploy else "910b-tp2-ep"), args.deploy)
+        preflight.check(need_tiny_model=not args.model)
+        out.create()
+        if args.force:
+            _clear_outputs(out)
+    except BaseException:
+        out.close()
+        raise
     began, started_at = time.monotonic(), time.time()
 
     def say(msg: str) -> None:
@@ -195,14 +217,20 @@ def run(args) -> int:
 
     if not env.enabled():
         say(f"warning: {env.ENABLE} is not enabled in this environment: the server runs without the patches")
-    with Signals(say) as signals:
-        return _run(args, name, loaded, out, began, started_at, say, signals)
+    umask = os.umask(0o077)  # what validate and the server make in --out is this user's alone
+    try:
+        with Signals(say) as signals:
+            return _run(args, name, loaded, out, began, started_at, say, signals)
+    finally:
+        os.umask(umask)
+        out.close()
 
 
-def _run(args, name, loaded, out: Path, began: float, started_at: float, say, signals: Signals) -> int:
+def _run(args, name, loaded, out, began: float, started_at: float, say, signals: Signals) -> int:
     from drama3_patches import env
     from drama3_patches.engine.state import host_label
     from drama3_patches.tools.validate import deploy as deploys
+    from drama3_patches.tools import isolated_python
     from drama3_patches.tools.validate import facts, logscan, phases, server, verdict
 
     from drama3_patches.tools.validate import profile
@@ -214,7 +242,7 @@ def _run(args, name, loaded, out: Path, began: float, started_at: float, say, si
     run_ = verdict.Run(profile=name, model=args.model or str(out / "model"), tp=tp,
                        ep=deploys.expert_parallel(served), compiled=deploys.compiles(served), scale=scale,
                        notes=list(args.note))
-    reports, log = out / "reports", out / "server.log"
+    reports, log = out / "reports", out / "server.log"  # the server's, by path: see _same_folder
     scan = logscan.LogScan(log)
     ctx = _Context(args, run_, out, reports, scan, tp, say, started_at, host_label())
     srv = gathering = None
@@ -225,20 +253,30 @@ def _run(args, name, loaded, out: Path, began: float, started_at: float, say, si
                 from drama3_patches.tools import tiny_model
 
                 say(f"making a tiny Drama 3 checkpoint ({args.tiny_depth} depth) in {out / 'model'}")
-                tiny_model.make(out / "model", args.tiny_depth, args.tiny_fp8)
+                model = out.folder("model")
+                try:  # made through the checked folder's descriptor, whatever its path names now
+                    tiny_model.make(Path(f"/proc/self/fd/{model.fd}"), args.tiny_depth, args.tiny_fp8)
+                finally:
+                    model.close()
             import yaml
 
-            (out / "deploy.yaml").write_text(yaml.safe_dump(served, sort_keys=False))
-            server_env = dict(os.environ, **{env.REPORT_DIR: str(reports), env.RESUME_CHECK: "1"})
+            out.write("deploy.yaml", yaml.safe_dump(served, sort_keys=False))
+            server_env = isolated_python.environ(dict(os.environ, **logscan.SERVER_ENV, **{env.REPORT_DIR: str(reports),
+                                                                     env.RESUME_CHECK: "1"}))
             if tp > 1:
                 server_env[env.TP_CHECK] = "1"
-            lines = phases.write_references(out / "refs", max(args.clones, args.preempt_requests,
-                                                                args.bench_requests))
+            refs = out.folder("refs")
+            try:
+                lines = phases.write_references(refs, max(args.clones, args.preempt_requests, args.bench_requests))
+            finally:
+                refs.close()
             port = server.free_port()
             say(f"starting vllm serve --omni ({name}: stage 0 at TP{tp}, {'compiled' if run_.compiled else 'eager'}); "
                 f"log: {log}")
-            with _signals_held():  # a signal now must not leave a started server without its handle
-                srv = server.start(run_.model, out / "deploy.yaml", port, server_env, log)
+            _same_folder(out)
+            with out.open_new("server.log") as log_file, signals.deferred():
+                # a signal now is taken once srv is set: a started server never lacks its handle
+                srv = server.start(run_.model, out / "deploy.yaml", port, server_env, log_file)
             gathering = facts.Background()  # the host's facts, while the server starts
             _phases(ctx, srv, port, lines)
             signals.finish()
@@ -253,8 +291,14 @@ def _run(args, name, loaded, out: Path, began: float, started_at: float, say, si
             failure = exc
             run_.ended = f"stopped by an error in validate ({type(exc).__name__}: {exc})"
         signals.finish()
+        if gathering is not None and run_.ended != "completed":
+            gathering.stop()  # the run is ending: the host facts no longer wait on their children
         _judge(ctx, srv)
         run_.write(out)
+        if ctx.profiling:  # a signal cut the profile window short: its stop now, bounded, after the report
+            why = profile.stop_after_signal(ctx.url)
+            if why:
+                run_.notes.append(f"/stop_profile after the signal: {why}")
     finally:
         signals.finish()
         if srv is not None:
@@ -263,9 +307,13 @@ def _run(args, name, loaded, out: Path, began: float, started_at: float, say, si
             if run_.stopped["left"]:
                 say(f"warning: {len(run_.stopped['left'])} process(es) of the server would not end: "
                     f"pid {', '.join(map(str, run_.stopped['left']))}")
+        if srv is not None and not out.same_path():
+            run_.ended = "the --out path was replaced while the server ran"
+            run_.notes.append(f"{out.path} no longer names the folder validate checked and wrote: the server was "
+                              "given paths under it, so what it read and wrote cannot be trusted")
         if gathering is not None:
             found = gathering.result()
-            (out / "host-facts.md").write_text(facts.markdown(found))
+            out.write("host-facts.md", facts.markdown(found))
             run_.facts = facts.summary(found)
         run_.wall_s = time.monotonic() - began
         run_.write(out)
@@ -278,21 +326,32 @@ def _run(args, name, loaded, out: Path, began: float, started_at: float, say, si
     return 0 if run_.passed else 1
 
 
-@contextlib.contextmanager
-def _signals_held():
-    """SIGINT, SIGTERM and SIGHUP held back (delivered when this ends)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+def _same_folder(out) -> None:
+    """The server is handed paths under ``--out`` (the model, the deploy file, the report folder):
+    InputError unless they still name the folder validate checked and wrote through its descriptor."""
+    from drama3_patches.tools.files import InputError
+
+    if not out.same_path():
+        raise InputError(f"--out {out.path} no longer names the folder validate checked (it was renamed or "
+                         "replaced since); the server was not started")
+
+
+def _save_audio(out, phase, prefix: str) -> list[str]:
+    """``phases.save_audio`` into ``OUT/audio``, made and written through the folder's descriptor."""
+    from drama3_patches.tools.validate import phases
+
+    audio = out.folder("audio")
     try:
-        yield
+        return phases.save_audio(phase, audio, prefix)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        audio.close()
 
 
 @dataclasses.dataclass
 class _Context:
     args: object
     run: object
-    out: Path
+    out: object  # outdir.OutFolder
     reports: Path
     scan: object
     tp: int
@@ -300,6 +359,7 @@ class _Context:
     since: float  # the run's start (time.time()): reports last written before it are an earlier run's
     host: str
     url: str = ""  # the server's, once started
+    profiling: bool = False  # inside the profile window (stage 0's profiler started)
 
     def roles(self) -> dict:
         return self.scan.role_map(multi_rank_stage=0 if self.tp > 1 else None)
@@ -327,14 +387,14 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
 
     ready, waited, why = server.wait_ready(srv, port, args.start_timeout, tick=tick)
     scan.poll()
-    run_.startup(ready, waited, why, scan.stage0_captures(ctx.roles()))
+    run_.startup(ready, waited, why, scan.stage0_graphs(ctx.roles()))
     say(f"a. start-up: {'ready' if ready else 'FAILED'} after {waited:.0f} s {why}")
     if not ready:
         return
     say(f"b. {args.clones} voice clones, {args.stagger:g} s apart")
     clones = phases.send(url, lines[:args.clones], frames=args.clone_frames, seed=1000,
                          stagger=args.stagger, timeout=args.request_timeout)
-    run_.clones(clones, phases.save_audio(clones, out / "audio", "clone"))
+    run_.clones(clones, _save_audio(out, clones, "clone"))
     say(f"   {clones.completed}/{len(clones.sent)} complete, {clones.overlaps()} overlapping, {clones.wall_s:.0f} s")
     srv.note_tree()
     say(f"c. {args.preempt_requests} requests of {args.preempt_frames} frames into a {args.kv_blocks}-block KV pool")
@@ -346,7 +406,7 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
     preempted = phases.send(url, long_, frames=args.preempt_frames, seed=2000, stagger=0.0,
                             timeout=args.request_timeout)
     after = ctx.counts()
-    run_.preemption(preempted, before, after, phases.save_audio(preempted, out / "audio", "preempted"))
+    run_.preemption(preempted, before, after, _save_audio(out, preempted, "preempted"))
     say(f"   {preempted.completed}/{len(preempted.sent)} complete; preemptions "
         f"{after['preemptions'] - before['preemptions']}, resumes verified "
         f"{after['resumes_verified'] - before['resumes_verified']}, {preempted.wall_s:.0f} s")
@@ -360,7 +420,9 @@ def _phases(ctx: _Context, srv, port: int, lines: list) -> None:
     if not args.no_profile:
         from drama3_patches.tools.validate import profile
 
+        ctx.profiling = True
         run_.frame_time = profile.window(url, lines[0], out, srv, run_.bench_levels, args, say)
+        ctx.profiling = False
         scan.poll()
 
 
@@ -375,7 +437,8 @@ def _judge(ctx: _Context, srv) -> None:
         # what the patches' series said on vLLM's own /metrics, kept beside the report
         from drama3_patches.tools.validate import metrics
 
-        scraped = metrics.save(ctx.url, ctx.out)
+        # after a signal the run is ending: a server that does not answer holds it a few seconds only
+        scraped = metrics.save(ctx.url, ctx.out, timeout=30 if run_.ended == "completed" else 5)
         if "error" in scraped:
             run_.notes.append(f"/metrics not saved: {scraped['error']}")
     scan.poll()
@@ -385,8 +448,8 @@ def _judge(ctx: _Context, srv) -> None:
     run_.final(counts, procs, skipped, scan, not_run=not_run)
     run_.diagnose(scan.found)
     if run_.first_failed is not None:
-        (ctx.out / "diagnosis.txt").write_text("\n".join(run_.diagnosis) + "\n\nThe log's last lines:\n"
-                                               + "\n".join(scan.tail) + "\n")
+        ctx.out.write("diagnosis.txt", "\n".join(run_.diagnosis) + "\n\nThe log's last lines:\n"
+                      + "\n".join(scan.tail) + "\n")
     run_.versions = verdict.versions()
 
 

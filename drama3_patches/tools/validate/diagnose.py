@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-CONTEXT_LINES = 60  # lines before a match (all processes) that a signature's context may look at
+CONTEXT_LINES = 60  # lines before a match that a signature's context may look at (the same process's only)
+_PID = re.compile(r"\(\S+ pid=(\d+)\)")  # the log prefix vLLM gives each process's lines
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Signature:
     context: re.Pattern | None = None  # must also match the line or one of the lines just before it
     generic: bool = False  # a consequence of other failures: named only when nothing specific was found
     excludes: tuple = ()  # signatures a match of this one makes redundant on the same line
+    # (what the run already uses, as a predicate of its facts; the fix to give instead): a fix never
+    # names what the run already does
+    in_use: tuple = ()
 
 
 def _re(text: str, flags: int = 0) -> re.Pattern:
@@ -32,6 +36,10 @@ def _re(text: str, flags: int = 0) -> re.Pattern:
 _EXPERTS = _re(r"fused_moe|FusedMoE|process_weights_after_loading|expert|w13_weight|w2_weight|fp8|"
                r"transpose|expand", re.IGNORECASE)
 _OOM = r"NPU out of memory|out of memory|OutOfMemoryError"
+_PATCHES_ON = (("patches_on", "DRAMA3_PATCHES was on for this run, so the patches did not activate in the server's "
+                              "processes: run `drama3-patches status --import-targets` with the server's Python (the "
+                              ".pth line or vLLM's plugin entry point is missing there) and check "
+                              "DRAMA3_PATCHES_DISABLE"),)
 
 SIGNATURES = (
     Signature(
@@ -40,14 +48,16 @@ SIGNATURES = (
         "the published fish_omni refused stage 0's tensor parallel size: the patches were not on in the "
         "server's processes (fish-omni-tensor-parallel lifts that check)",
         "export DRAMA3_PATCHES=1 in the shell that runs validate (the server inherits it); "
-        "`drama3-patches status --import-targets` there must show fish-omni-tensor-parallel pending or applied"),
+        "`drama3-patches status --import-targets` there must show fish-omni-tensor-parallel pending or applied",
+        in_use=_PATCHES_ON),
     Signature(
         "model runner v2 refused",
         _re(r"Model Runner V2 is not supported"),
         "vLLM-Omni refused Model Runner V2 on the NPU: runner-selection did not apply in the process that "
         "read the deploy file",
         "export DRAMA3_PATCHES=1 before validate, and check runner-selection in the API server's report "
-        "(row e, or `drama3-patches status --collect REPORTS`)"),
+        "(row e, or `drama3-patches status --collect REPORTS`)",
+        in_use=_PATCHES_ON),
     Signature(
         "fp8 copy on the card",
         _re(r"561103"),
@@ -64,7 +74,11 @@ SIGNATURES = (
         "serve stage 0 at tensor parallel 2 with expert parallel (profile 910b-tp2-ep); "
         "`drama3-patches plan CHECKPOINT --card 910b1 --deploy 910b-tp2-ep` gives each card's share; "
         "`npu-smi info` shows other processes holding the cards",
-        context=_EXPERTS, excludes=("out of memory",)),
+        context=_EXPERTS, excludes=("out of memory",),
+        in_use=(("tp2_ep", "stage 0 already runs at tensor parallel 2 with expert parallel: free the cards "
+                           "(`npu-smi info` shows other processes holding them), lower stage 0's "
+                           "gpu_memory_utilization so the load has room, and check each card's share with "
+                           "`drama3-patches plan CHECKPOINT --card 910b1 --deploy 910b-tp2-ep`"),)),
     Signature(
         "out of memory",
         _re(_OOM, re.IGNORECASE),
@@ -125,7 +139,8 @@ class Matcher:
         self.lines = 0
 
     def feed(self, line: str, recent=None) -> None:
-        """``recent``: the lines just before (and including) ``line``, for signatures with a context."""
+        """``recent``: the lines just before (and including) ``line``, for signatures with a context
+        (read: those of ``line``'s own process)."""
         self.lines += 1
         skip: set = set()
         for sig in self.signatures:
@@ -150,18 +165,42 @@ class Matcher:
         return sorted(self.found.values(), key=lambda f: f.at)
 
 
+def _process(line: str) -> str | None:
+    """The pid a line's prefix names (None: an unprefixed line)."""
+    m = _PID.search(line)
+    return m.group(1) if m else None
+
+
 def _in_context(context: re.Pattern, line: str, recent) -> bool:
     if context.search(line):
         return True
     if not recent:
         return False
+    mine = _process(line)
     lines = list(recent)[-CONTEXT_LINES:]
-    return any(context.search(other) for other in lines)
+    return any(context.search(other) for other in lines if _process(other) == mine)
 
 
-def explain(first_failed, matcher: Matcher) -> list[str]:
-    """The diagnosis lines of ``report.md``: the first failing row, the likely cause and fix, and
-    every signature the log showed."""
+def fix_for(sig: Signature, facts: dict | None) -> str:
+    """``sig``'s fix, or what to do instead where the run already does what the fix names."""
+    for fact, instead in sig.in_use:
+        if (facts or {}).get(fact):
+            return instead
+    return sig.fix
+
+
+def run_facts(tp: int, ep: bool) -> dict:
+    """What a fix may name that the run already uses: stage 0 at TP2 with expert parallel, the
+    patches switched on in the environment the server inherited."""
+    from drama3_patches import env
+
+    return {"tp2_ep": tp >= 2 and ep, "patches_on": env.enabled()}
+
+
+def explain(first_failed, matcher: Matcher, facts: dict | None = None) -> list[str]:
+    """The diagnosis lines of ``report.md``: the first failing row, the likely cause and fix (one
+    that changes something the run does: ``facts``, :func:`run_facts`), and every signature the
+    log showed."""
     if first_failed is None:
         return []
     out = [f"First failing row: **{first_failed.name}**: {first_failed.detail.replace('|', '/')[:600]}"]
@@ -170,7 +209,7 @@ def explain(first_failed, matcher: Matcher) -> list[str]:
         out.append("No known failure signature in server.log; its last lines are in diagnosis.txt.")
         return out
     sig = likely.signature
-    out += [f"Likely cause ({sig.name}, server.log line {likely.at}): {sig.cause}.", f"Fix: {sig.fix}.",
+    out += [f"Likely cause ({sig.name}, server.log line {likely.at}): {sig.cause}.", f"Fix: {fix_for(sig, facts)}.",
             f"The line: `{likely.line.replace('`', chr(39))}`"]
     others = [f for f in matcher.all() if f is not likely]
     if others:

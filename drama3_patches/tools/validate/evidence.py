@@ -78,9 +78,17 @@ def _role(data: dict, from_log: str | None) -> str:
 
 def stage0_count(procs: list[Process], name: str) -> int:
     """A counter of stage 0's model: every rank runs the same steps, so the smallest rank's figure
-    (a rank that counted less is the one to look at)."""
-    ranks = [p.counts.get(name, 0) for p in procs if p.role.startswith("worker stage 0")]
-    return min(ranks) if ranks else 0
+    (a rank that counted less is the one to look at). ``resumes_verified`` is judged per rank,
+    not per counter: the smallest resume count less the largest number of resumes any one rank
+    left unverified (at least 0), so it equals ``resumes`` only where every rank verified every
+    resume it made, and a rank's unverified resume is not hidden by another rank's fewer resumes."""
+    workers = [p for p in procs if p.role.startswith("worker stage 0")]
+    if not workers:
+        return 0
+    if name == "resumes_verified":
+        unverified = max(p.counts.get("resumes", 0) - p.counts.get("resumes_verified", 0) for p in workers)
+        return max(0, min(p.counts.get("resumes", 0) for p in workers) - max(0, unverified))
+    return min(p.counts.get(name, 0) for p in workers)
 
 
 def patch_table(procs: list[Process], tp: int) -> tuple[bool, list[str]]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
+import time
+
+from drama3_patches.tools import isolated_python
 
 MAX_OUTPUT = 256 * 1024  # of each command's output kept in the report
 DISTRIBUTIONS = ("torch", "torch-npu", "vllm", "vllm-ascend", "vllm-omni", "drama3-patches")
@@ -46,37 +48,67 @@ print(json.dumps({"cann": first(cann), "driver": first(driver),
 """
 
 
-def _run(argv: list, timeout: float, env=None) -> dict:
+STOP_POLL_S = 0.25  # how soon a child is ended once the run is ending
+
+
+def _run(argv: list, timeout: float, python: bool = False, stop: threading.Event | None = None) -> dict:
+    """``argv`` run with ``timeout``; ``python``: ``argv`` is ``-c CODE ...`` or ``-m MODULE ...`` for
+    an isolated Python child (isolated_python). ``stop`` set: the child is killed (the run is ending)."""
+    shown = " ".join(argv)[:200]
+    if stop is not None and stop.is_set():
+        return {"absent": "not gathered: the run was ending"}
+    command, env = (isolated_python.argv(*argv), isolated_python.environ()) if python else (argv, None)
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         return {"absent": f"{argv[0]} is not installed"}
-    except subprocess.TimeoutExpired:
-        return {"absent": f"`{' '.join(argv)}` took over {timeout:g} s"}
     except OSError as exc:
-        return {"absent": f"`{' '.join(argv)}` could not run: {exc}"}
-    text = (done.stdout + done.stderr)[:MAX_OUTPUT].decode("utf-8", "replace")
-    return {"exit": done.returncode, "output": text}
+        return {"absent": f"`{shown}` could not run: {exc}"}
+    deadline = time.monotonic() + timeout
+    with proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=STOP_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                ending = stop is not None and stop.is_set()
+                if ending or time.monotonic() > deadline:
+                    proc.kill()
+                    proc.communicate()
+                    return {"absent": "not gathered: the run was ending" if ending
+                            else f"`{shown}` took over {timeout:g} s"}
+    text = (out + err)[:MAX_OUTPUT].decode("utf-8", "replace")
+    return {"exit": proc.returncode, "output": text}
 
 
-def collect(timeout: float = 60.0, doctor_timeout: float = 300.0) -> dict:
-    """Every fact, each from its own child process."""
+def collect(timeout: float = 60.0, doctor_timeout: float = 300.0, stop: threading.Event | None = None) -> dict:
+    """Every fact, each from its own child process; ``stop`` set: the rest are "absent" at once."""
     facts = {"variables": {k: v for k, v in sorted(os.environ.items())
                            if k.startswith(("ASCEND_", "DRAMA3_"))}}
-    facts["npu-smi info"] = _run(["npu-smi", "info"], timeout)
-    probe = _run([sys.executable, "-c", _CHILD, json.dumps([CANN_FILES, DRIVER_FILES, DISTRIBUTIONS])], timeout)
+    facts["npu-smi info"] = _run(["npu-smi", "info"], timeout, stop=stop)
+    facts.update(probe(timeout, stop))
+    facts["doctor"] = _run(["-m", "drama3_patches.tools", "doctor"], doctor_timeout, python=True, stop=stop)
+    return facts
+
+
+def probe(timeout: float = 60.0, stop: threading.Event | None = None) -> dict:
+    """The CANN toolkit's and the driver's version files and the distributions' versions, read by
+    an isolated Python child: ``{"cann": ..., "driver": ..., "versions": ...}``."""
+    facts: dict = {}
+    answer = _run(["-c", _CHILD, json.dumps([CANN_FILES, DRIVER_FILES, DISTRIBUTIONS])], timeout, python=True,
+                  stop=stop)
     try:
-        read = json.loads(probe["output"].strip().splitlines()[-1]) if probe.get("exit") == 0 else None
+        read = json.loads(answer["output"].strip().splitlines()[-1]) if answer.get("exit") == 0 else None
     except (ValueError, IndexError):
         read = None
     if read is None:
-        reason = probe.get("absent") or f"the probe failed: {probe.get('output', '')[-300:]}"
+        reason = answer.get("absent") or f"the probe failed: {answer.get('output', '')[-300:]}"
         facts.update({"cann": {"absent": reason}, "driver": {"absent": reason}, "versions": {"absent": reason}})
     else:
         for key, what in (("cann", "no CANN toolkit version file"), ("driver", "no driver version file")):
             facts[key] = read[key] or {"absent": what}
         facts["versions"] = {d: v or "absent" for d, v in read["versions"].items()}
-    facts["doctor"] = _run([sys.executable, "-m", "drama3_patches.tools", "doctor"], doctor_timeout)
     return facts
 
 
@@ -85,14 +117,19 @@ class Background:
 
     def __init__(self) -> None:
         self.facts: dict | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._collect, name="drama3-validate-facts", daemon=True)
         self._thread.start()
 
     def _collect(self) -> None:
         try:
-            self.facts = collect()
+            self.facts = collect(stop=self._stop)
         except Exception as exc:  # a fact we could not gather is said so, never a failed validation
             self.facts = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def stop(self) -> None:
+        """The run is ending: the child running now is ended, the facts not yet gathered are "absent"."""
+        self._stop.set()
 
     def result(self, timeout: float = 400.0) -> dict:
         self._thread.join(timeout)

@@ -2,19 +2,25 @@
 
 :class:`LogScan` reads ``server.log`` from where it stopped last time, in bounded chunks (a line
 longer than ``MAX_LINE`` bytes is cut there), and keeps only what the rows and the diagnosis
-use: the processes' roles, stage 0's graph-capture lines, the lines no healthy run prints, the
+use: the processes' roles, stage 0's graph-capture and compile lines (apart), the lines no healthy run prints, the
 known failure signatures with the line that showed each, and the last lines. Its memory does
 not grow with the log.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections import Counter, deque
 
 from drama3_patches.tools.validate import diagnose
 
 CHUNK = 1024 * 1024
+# The level validate serves at, whatever the operator's shell says: the rows read INFO records
+# (graph capture, each process's loading) and row f needs records from every stage-0 process.
+SERVER_LOG_LEVEL = "INFO"
+SERVER_ENV = {"VLLM_LOGGING_LEVEL": SERVER_LOG_LEVEL}  # set in the served environment
 MAX_LINE = 16 * 1024
 TAIL_LINES = 200
 SHOWN_BAD = 12
@@ -22,9 +28,21 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PREFIX = re.compile(r"\((APIServer|StageEngineCoreProc_stage(\d+)_replica\d+|Worker(?:_TP(\d+))?) pid=(\d+)\)")
 # The record's level right after the prefix, as vLLM's formatter writes it ("(X pid=N) INFO 12-04 ...").
 _LEVEL = re.compile(r"^\s*(?:\([\w.-]+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
-# Lines a graph capture prints at start-up (vLLM's runner, vLLM-Ascend's ACL graphs, Dynamo on CPU).
-CAPTURE = re.compile(r"Graph capturing finished|Capturing (CUDA|ACL|NPU) ?graphs|ACL graph|"
-                     r"torchdynamo done tracing|Compiling a graph for")
+# A graph captured (not only compiled). vLLM 0.32's runners end their capture with "Graph capturing
+# finished in %.0f secs, took %.2f GiB" (v1/worker/gpu_model_runner.py, v1/worker/gpu/model_runner.py);
+# vLLM-Ascend 0.30.0rc2 (its sdist) inherits that record (worker/model_runner_v1.py's capture_model
+# calls vLLM's; worker/v2's NPUModelRunner subclasses vLLM's) and adds its own: "Capturing ACL graph
+# (%s, %s)" (DEBUG, compilation/acl_graph.py), "ACL graph replay is active (logged once)."
+# (compilation/acl_graph.py) and "ACL graph replay is active for the V2 target model"
+# (worker/v2/aclgraph_utils.py).
+CAPTURE = re.compile(r"Graph capturing finished in |Capturing ACL graph \(|ACL graph replay is active")
+# Compiled by Dynamo/Inductor (vLLM 0.32's compilation/backends.py, torch's symbolic_convert.py):
+# no graph is captured by these.
+COMPILE = re.compile(r"Compiling a graph for compile range|Directly load the compiled graph|"
+                     r"Dynamo bytecode transform time|torchdynamo done tracing")
+# A line saying capture is off never counts, whatever else it says (vLLM-Ascend's "Compilation
+# disabled, using eager mode by default", "cudagraph_mode %s is unsupported on NPU; falling back to NONE").
+NO_CAPTURE = re.compile(r"disabled|disabling|falling back to NONE|unsupported|not supported", re.IGNORECASE)
 
 # A line of the server's log that no healthy run prints: (what, pattern). The first two count
 # wherever they appear; the others only outside INFO / WARNING / DEBUG records, whose advice
@@ -105,6 +123,8 @@ class LogScan:
         self._partial = b""
         self.roles = Roles()
         self.captures: Counter = Counter()  # pid -> graph-capture records (INFO/DEBUG or unlevelled)
+        self.compiles: Counter = Counter()  # pid -> Dynamo/Inductor compile records
+        self.records: Counter = Counter()  # pid -> log records (a level after the prefix): row f
         self.bad_count = 0
         self.bad_shown: list[str] = []
         self.drift = False
@@ -113,11 +133,14 @@ class LogScan:
 
     def poll(self, until: int | None = None) -> None:
         """Read what the log gained since the last call (up to byte ``until``), line by line."""
-        try:
-            fh = open(self.path, "rb")
+        try:  # the log validate made: a link or a FIFO put in its place is not read (nor waited on)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return
-        with fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return
+        with os.fdopen(fd, "rb") as fh:
             fh.seek(self.offset)
             while until is None or self.offset < until:
                 want = CHUNK if until is None else min(CHUNK, until - self.offset)
@@ -160,8 +183,13 @@ class LogScan:
         self.roles.feed(line, match)
         level = _LEVEL.match(line)
         level = level.group(1) if level else None
-        if match is not None and level in (None, "INFO", "DEBUG") and CAPTURE.search(line):
-            self.captures[int(match.group(4))] += 1
+        if match is not None and level is not None:
+            self.records[int(match.group(4))] += 1
+        if match is not None and level in (None, "INFO", "DEBUG") and not NO_CAPTURE.search(line):
+            if CAPTURE.search(line):
+                self.captures[int(match.group(4))] += 1
+            elif COMPILE.search(line):
+                self.compiles[int(match.group(4))] += 1
         if "TensorParallelDrift" in line:
             self.drift = True
         self.found.feed(line, self.tail)
@@ -183,3 +211,13 @@ class LogScan:
     def stage0_captures(self, roles: dict[int, str]) -> int:
         """Graph-capture records printed by stage 0's engine core or workers."""
         return sum(n for pid, n in self.captures.items() if is_stage0(roles.get(pid, "")))
+
+    def stage0_graphs(self, roles: dict[int, str]) -> dict:
+        """Row a's evidence: capture records per stage-0 worker (every one the log names, none
+        left out for having none), and stage 0's compile records."""
+        workers = {role: 0 for role in roles.values() if role.startswith("worker stage 0")}
+        for pid, n in self.captures.items():
+            if roles.get(pid, "") in workers:
+                workers[roles[pid]] += n
+        compiled = sum(n for pid, n in self.compiles.items() if is_stage0(roles.get(pid, "")))
+        return {"captures": dict(sorted(workers.items())), "compiles": compiled}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 PREFIX = "drama3_patches_"
 MAX_PAGE_BYTES = 16 * 1024 * 1024  # vLLM's page is tens of kilobytes; a runaway one is not read whole
@@ -55,18 +54,19 @@ def fetch(url: str, timeout: float = 30, limit: int | None = None) -> str:
 
 
 def save(url: str, out_dir, timeout: float = 30) -> dict:
-    """Save the server at ``url``'s ``/metrics`` page to ``out_dir/metrics.txt``.
+    """Save the server at ``url``'s ``/metrics`` page to ``out_dir/metrics.txt`` (``out_dir`` an
+    ``outdir.OutFolder``: written through its descriptor).
 
     Returns ``{"file": path, "samples": [Sample...]}`` (this project's series), or
     ``{"file": None, "samples": [], "error": why}`` when the page could not be read or parsed
     (what was read is still saved): a report line, never an exception.
     """
-    path = Path(out_dir) / FILE
+    path = out_dir / FILE
     try:
         text = fetch(url.rstrip("/") + "/metrics", timeout)
     except (OSError, ValueError) as exc:
         return {"file": None, "samples": [], "error": f"{type(exc).__name__}: {exc}"}
-    path.write_text(text)
+    out_dir.write(FILE, text)
     try:
         samples = parse(text)
     except ValueError as exc:

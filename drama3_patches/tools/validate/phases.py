@@ -11,7 +11,6 @@ import threading
 import time
 import wave
 from dataclasses import dataclass, field
-from pathlib import Path
 
 CODEC_RATE = 44100  # Drama 3's DAC: 44.1 kHz
 FRAME_SAMPLES = 2048  # samples per frame (one step of stage 0)
@@ -30,25 +29,27 @@ def tone(seconds: float, seed: int):
     return wave_.astype(np.float32)
 
 
-def write_wav(path: Path, samples: bytes, rate: int, channels: int = 1, bits: int = 16) -> None:
-    with wave.open(str(path), "wb") as fh:
+def write_wav(target, samples: bytes, rate: int, channels: int = 1, bits: int = 16) -> None:
+    """A WAV file at ``target``: a path, or a file object open for writing in binary."""
+    with wave.open(target if hasattr(target, "write") else str(target), "wb") as fh:
         fh.setnchannels(channels)
         fh.setsampwidth(bits // 8)
         fh.setframerate(rate)
         fh.writeframes(samples)
 
 
-def write_references(folder: Path, count: int, seconds: float = 1.0) -> list:
-    """``count`` voice-clone lines (``bench.speech.MetaLine``) with references written to ``folder``."""
+def write_references(folder, count: int, seconds: float = 1.0) -> list:
+    """``count`` voice-clone lines (``bench.speech.MetaLine``) with references written to ``folder``
+    (an ``outdir.OutFolder``: each file new, through its descriptor)."""
     import numpy as np
 
     from drama3_patches.tools.bench.speech import MetaLine
 
-    folder.mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(count):
         path = folder / f"ref{i}.wav"
-        write_wav(path, (tone(seconds, i) * 32767).astype(np.int16).tobytes(), CODEC_RATE)
+        with folder.open_new(f"ref{i}.wav") as fh:
+            write_wav(fh, (tone(seconds, i) * 32767).astype(np.int16).tobytes(), CODEC_RATE)
         lines.append(MetaLine(f"line{i}", f"a short reference number {i}", str(path),
                               f"Line {i} of the validation, spoken in the cloned voice."))
     return lines
@@ -125,15 +126,16 @@ def send(url: str, lines: list, *, frames: int, seed: int | None, stagger: float
     return phase
 
 
-def save_audio(phase: Phase, folder: Path, prefix: str) -> list[str]:
-    """Each completed request's samples as ``folder/<prefix>-<name>.wav``; the paths written."""
-    folder.mkdir(parents=True, exist_ok=True)
+def save_audio(phase: Phase, folder, prefix: str) -> list[str]:
+    """Each completed request's samples as ``folder/<prefix>-<name>.wav`` (``folder`` an
+    ``outdir.OutFolder``: each file new, through its descriptor); the paths written."""
     written = []
     for s in phase.sent:
         r = s.result
         if r.ok and r.audio:
             path = folder / f"{prefix}-{s.name}.wav"
-            write_wav(path, r.audio, r.sample_rate, r.channels, r.bits)
+            with folder.open_new(path.name) as fh:
+                write_wav(fh, r.audio, r.sample_rate, r.channels, r.bits)
             written.append(str(path))
     return written
 

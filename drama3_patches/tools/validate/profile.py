@@ -9,28 +9,34 @@ and records the next ones (``delay_iterations``, ``max_iterations``), so the win
 steps only. Nothing else runs meanwhile, and no other phase runs under it.
 
 The trace is a Chrome trace (``*.pt.trace.json.gz`` from vLLM's worker, ``trace_rank0.json.gz``
-from vLLM-Omni's, ``trace_view.json`` from torch-npu's). :func:`attribute` reads rank 0's:
+from vLLM-Omni's, ``trace_view.json`` from torch-npu's). :func:`read` gives the per-frame table
+of any such file (validate's window and the ``frame-time`` command alike):
 
 - a step is vLLM's per-step annotation (``execute_context_0(0)_generation_1(1)``, a
   ``record_function`` range the worker opens while a profiler runs); ``step_ms`` is the time
-  from one decode step's start to the next's, the cadence at which stage 0 makes frames;
-- ``backbone``: the Qwen3.5 model module; ``tower``: the codebook tower's layers and heads;
-  ``sampler``: fish_omni's ``FusedFrameSampler`` calls; ``other``: the rest of the model's
-  forward; ``outside_forward``: the step's annotated range and the worker's ``sample_tokens``
-  outside the forward. These come from the module and function records of the profiler's
-  Python tracer (``torch_profiler_with_stack``, vLLM's default): no marker in the serving path.
-  Their sum falls short of the step by the time the worker spends outside both ranges
-  (scheduling, the hand-off between steps): ``coverage`` says how much.
+  from one decode step's start to the next's, the cadence at which stage 0 makes frames; where a
+  worker opens no step range (vllm-ascend's ``NPUWorker``), the tower's first layer, once per
+  step, gives the cadence;
+- each component is the time its own records cover, counted once (innermost first), never a
+  remainder: ``backbone``, ``tower`` and ``sampler`` (found by their place in the model's
+  forward, class and file names only as the fallback; ``rules`` says which matched),
+  ``rest_of_forward`` (the other records inside the forward), ``outside_forward`` (the step's
+  annotated range and the worker's ``sample_tokens`` outside the forward); ``unattributed_ms`` is
+  the step time no record covers (the forward's own Python, the hand-off between steps);
+- ``problems``: a component that must run at stage 0 (backbone, tower, sampler) with no record
+  in some step, a missing forward record, a sampler call nested inside another component;
 - ``top_ops``: the ten ops with the most self time in the steps (device kernels where the trace
   has them, else CPU ops).
 
-Where the trace holds the model's module records but not its forward (torch-npu records modules
-with ``with_modules`` and no Python calls), the backbone (its decoder layers) and the tower are
-read and the rest is reported as not attributed; where a worker opens no step range
-(vllm-ascend's ``NPUWorker`` steps the profiler without one), the tower's first layer, once per
-step, gives the cadence. Where the steps hold no module record at all (a compiled stage 0
-replays a captured graph) the components are left out, and the report says that time could not
-be attributed rather than guessing.
+The records are the module and function records of the profiler's Python tracer
+(``torch_profiler_with_stack``, vLLM's default; torch-npu's ``with_modules`` gives module records
+only): no marker in the serving path. The structural rules read the model's published forward
+(vLLM-Omni's ``fish_omni_model.py``): it calls the backbone (``self.model``, a Qwen3.5 model
+holding a stack of decoder layers) first, then the sampler's ``main_tokens``, then its own
+tower layers and codebook heads (modules it calls itself), with the sampler's ``code`` between
+them. So a subclass under another class or file name (vLLM-Ascend replaces classes) is still
+found. Where the steps hold no model record at all (a compiled stage 0 replays a captured graph)
+every component is a problem and the time is unattributed, never guessed.
 
 On a CPU host every profiled step costs vLLM's worker tens of seconds after the window: it
 writes the trace and, for a CPU-only profile, always builds its op table, both over every Python
@@ -56,7 +62,7 @@ MAX_TRACE_BYTES = 256 * MIB  # a trace file, compressed or not
 MAX_TRACE_JSON = 1024 * MIB  # its JSON once decompressed
 TRACE_NAMES = re.compile(r"(\.pt\.trace\.json(\.gz)?|^trace_rank\d+\.json(\.gz)?|^trace_view\.json)$")
 FRAME_MS = 2048 / 44100 * 1e3  # audio per frame: a step slower than this is slower than real time
-COMPONENTS = ("backbone", "tower", "sampler", "other", "outside_forward")
+COMPONENTS = ("backbone", "tower", "sampler", "rest_of_forward", "outside_forward")
 TOP = 10
 
 
@@ -95,6 +101,19 @@ def _post(url: str, body: dict, timeout: float) -> None:
         raise ProfileError(f"POST {url}: HTTP {exc.code} {detail}{hint}") from None
     except OSError as exc:
         raise ProfileError(f"POST {url}: {type(exc).__name__}: {exc}") from None
+
+
+STOP_AFTER_SIGNAL_S = 5.0  # a server that does not answer must not hold a run a signal ended
+
+
+def stop_after_signal(url: str, timeout: float = STOP_AFTER_SIGNAL_S) -> str | None:
+    """``/stop_profile`` once a signal cut the window short, waiting at most ``timeout`` seconds;
+    None, or why it did not answer (a note for the report, never an exception)."""
+    try:
+        _post(f"{url}/stop_profile", {"stages": [0]}, timeout)
+    except ProfileError as exc:
+        return str(exc)
+    return None
 
 
 def find_trace(trace_dir: Path, since: float = 0.0) -> Path | None:
@@ -148,18 +167,18 @@ def measure(url: str, line, trace_dir: Path, *, steps: int, delay: int, timeout:
     control = min(timeout, CONTROL_TIMEOUT_S)
     try:
         _post(f"{url}/start_profile", {"stages": [0]}, control)
-        try:
-            result = speak_kept(line, Settings(url=url, timeout=timeout,
-                                               extra={"max_new_tokens": frames, "seed": 3000}))
-        finally:
-            _post(f"{url}/stop_profile", {"stages": [0]}, timeout)  # may wait for the trace's writing
+        # speak_kept never raises for what a server does: what escapes is a signal (validate's
+        # Interrupted), which must stay what it is; validate then posts the stop itself, bounded,
+        # once its report is written (stop_after_signal)
+        result = speak_kept(line, Settings(url=url, timeout=timeout,
+                                           extra={"max_new_tokens": frames, "seed": 3000}))
+        _post(f"{url}/stop_profile", {"stages": [0]}, timeout)  # may wait for the trace's writing
         if not result.ok:
             raise ProfileError(f"the profiled request failed: {result.error}")
         if say:
             say(f"   profiled request done ({result.elapsed:.0f} s); reading the trace")
         trace, events = wait_for_trace(trace_dir, since, timeout=min(timeout, 600))
-        out |= attribute(events)
-        out["trace"] = str(trace)
+        out |= read(trace, events=events)
     except (ProfileError, InputError, ValueError) as exc:
         out["error"] = str(exc)
     out["window_s"] = time.monotonic() - began
@@ -186,24 +205,35 @@ def window(url: str, line, out: Path, proc, levels: list, args, say) -> dict:
 STEP = re.compile(r"^execute_(?:\d+_)?context_(\d+)\(")
 FORWARD = re.compile(r"^nn\.Module: FishOmniForConditionalGeneration_\d+$|fish_omni[/\\]fish_omni_model\.py\(\d+\): "
                      r"forward$")
+# The structural rules read the module tree: a module record is ``nn.Module: Class_N``, a Python
+# call ``file.py(N): function``. Class and file names below are the fallback only.
+FUNCTION = re.compile(r"\(\d+\): (?:forward|main_tokens|code|sample_tokens)$")  # the calls the rules read
+# FusedFrameSampler's two methods, whatever its file (not torch's own ``code``, fx's property)
+SAMPLER_CALL = re.compile(r"^(?!.*(?:^|[/\\])torch[/\\]).*\(\d+\): (?:main_tokens|code)$")
 BACKBONE = re.compile(r"^nn\.Module: Qwen3_5Model_\d+$|models[/\\]qwen3_(?:5|next)\.py\(\d+\): forward$")
+LAYER = re.compile(r"^nn\.Module: Qwen3_5DecoderLayer_\d+$")  # the backbone's, where its model has no record
 TOWER = re.compile(r"^nn\.Module: TowerLayer_\d+$|fish_omni[/\\]codebook_tower\.py\(\d+\): forward$")
 HEAD = re.compile(r"^nn\.Module: Linear_\d+$")  # a codebook head, where not inside the backbone or a layer
 SAMPLER = re.compile(r"fish_omni[/\\]sampling\.py\(\d+\): (?:main_tokens|code)$")
 SAMPLE_TOKENS = re.compile(r"worker\.py\(\d+\): sample_tokens$")
 FIRST_LAYER = re.compile(r"^nn\.Module: TowerLayer_0$")  # once per step: the steps where none is annotated
-LAYER = re.compile(r"^nn\.Module: Qwen3_5DecoderLayer_\d+$")  # the backbone's, where its model has no record
-_KEPT_PYTHON = (FORWARD, BACKBONE, TOWER, HEAD, SAMPLER, SAMPLE_TOKENS, LAYER)
+MUST_RUN = ("backbone", "tower", "sampler")  # at stage 0, in every decode step
+_KEPT_PYTHON = (FORWARD, FUNCTION, BACKBONE, TOWER, SAMPLER, SAMPLE_TOKENS)
 _CHUNK = 4 * MIB
 
 
 class _Ev:
-    __slots__ = ("name", "cat", "ts", "end", "dur", "key", "parent")
+    __slots__ = ("name", "cat", "ts", "end", "dur", "key", "parent", "kids")
 
     def __init__(self, name: str, cat: str, ts: float, dur: float, key):
         self.name, self.cat, self.ts, self.dur, self.key = name, cat, ts, dur, key
         self.end = ts + dur
         self.parent = None
+        self.kids: list = []  # the kept Python records directly inside it (modules and calls)
+
+    @property
+    def module(self) -> bool:
+        return self.name.startswith("nn.Module: ")
 
 
 def _number(value) -> float | None:
@@ -231,7 +261,7 @@ def _keep(e) -> _Ev | None:
         return None
     name, cat = str(e.get("name", "")), str(e.get("cat", ""))
     if name.startswith("nn.Module: ") or cat == "python_function":
-        if not any(p.search(name) for p in _KEPT_PYTHON):
+        if not name.startswith("nn.Module: ") and not any(p.search(name) for p in _KEPT_PYTHON):
             return None
         cat = "python_function"
     elif isinstance(e.get("args"), dict) and "Task Type" in e["args"]:
@@ -309,6 +339,12 @@ def _nest(events: list[_Ev]) -> None:
             while stack and stack[-1].end < ev.end - 0.5:  # ended before it, or overlaps without containing
                 stack.pop()
             ev.parent = stack[-1] if stack else None
+            ev.kids = []
+            owner = ev.parent  # a Python call's caller: the nearest Python record (past a custom op's)
+            while owner is not None and owner.cat != "python_function":
+                owner = owner.parent
+            if owner is not None and ev.cat == "python_function":
+                owner.kids.append(ev)
             stack.append(ev)
 
 
@@ -334,13 +370,196 @@ def _ms(evs: list[_Ev]) -> float:
 
 
 def _percentile(values: list[float], q: float) -> float | None:
-    from drama3_patches.tools.bench.speech import percentile
+    from drama3_patches.tools.bench.stats import percentile
 
     return percentile(values, q)
 
 
-def attribute(evs: list[_Ev]) -> dict:
-    """``frame_time`` from a trace's kept events: steps, step_ms, components_ms, top_ops, coverage."""
+# -- intervals: each component is the time its records cover, painted once ----------------------
+
+
+def _union(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _minus(spans: list, cut: list) -> list[tuple[float, float]]:
+    """``spans`` less ``cut`` (both merged and sorted)."""
+    out, j = [], 0
+    for a, b in spans:
+        while j < len(cut) and cut[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cut) and cut[k][0] < b:
+            if cut[k][0] > a:
+                out.append((a, cut[k][0]))
+            a = max(a, cut[k][1])
+            k += 1
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _spans(evs, lo: float, hi: float) -> list[tuple[float, float]]:
+    return _union((max(e.ts, lo), min(e.end, hi)) for e in evs)
+
+
+# -- the structural rules -----------------------------------------------------------------------
+
+
+def _stem(ev: _Ev) -> str:
+    """A module record's class (``nn.Module: Qwen3_5DecoderLayer_3`` -> ``Qwen3_5DecoderLayer``)."""
+    return re.sub(r"_\d+$", "", ev.name[len("nn.Module: "):]) if ev.module else ev.name
+
+
+def _calls(ev: _Ev) -> list[_Ev]:
+    """The module and function records ``ev`` makes itself, its own ``forward`` call looked through
+    (a module record holds its forward's)."""
+    kids = ev.kids
+    while len(kids) == 1 and not kids[0].module and kids[0].name.endswith(": forward"):
+        kids = kids[0].kids
+    return kids
+
+
+def _modules_under(ev: _Ev) -> list[_Ev]:
+    """The nearest module records inside ``ev`` (through function records)."""
+    out, todo = [], list(ev.kids)
+    while todo:
+        k = todo.pop()
+        if k.module:
+            out.append(k)
+        else:
+            todo.extend(k.kids)
+    return out
+
+
+def _stack(ev: _Ev) -> tuple[str, int] | None:
+    """The decoder layers ``ev`` holds: two or more module records of one class directly inside
+    it, each a container of modules (a leaf like a norm is no layer)."""
+    counts: dict[str, int] = {}
+    for m in _modules_under(ev):
+        if _modules_under(m):
+            counts[_stem(m)] = counts.get(_stem(m), 0) + 1
+    if not counts:
+        return None
+    stem, n = max(counts.items(), key=lambda kv: kv[1])
+    return (stem, n) if n >= 2 else None
+
+
+def _find_backbone(calls: list[_Ev], stop: float, last: bool = False) -> tuple[list[_Ev], str | None]:
+    """The backbone among the forward's calls before ``stop`` (its first sampler call): the first
+    call holding a stack of layers, else a run of two or more layers called directly (the last run
+    where the period starts at the tower, so that the next step's backbone closes it)."""
+    early = [c for c in calls if c.ts < stop]
+    for c in early:
+        st = _stack(c)
+        if st:
+            return [c], f"structure: the forward's first call holding decoder layers ({st[1]} x {st[0]})"
+    runs: list[list[_Ev]] = []
+    for c in early:
+        layer = c.module and bool(_modules_under(c))
+        if layer and runs and runs[-1] and _stem(runs[-1][0]) == _stem(c):
+            runs[-1].append(c)
+        else:
+            runs.append([c] if layer else [])
+    runs = [r for r in runs if len(r) >= 2]
+    if runs:
+        run = runs[-1] if last else runs[0]
+        which = "last" if last else "first"
+        return run, f"structure: the {which} stack of layers called ({len(run)} x {_stem(run[0])})"
+    return [], None
+
+
+def _by_name(inside: list[_Ev], pattern) -> list[_Ev]:
+    return _outermost(inside, lambda e: bool(pattern.search(e.name)))
+
+
+def _parts(step: _Ev, end: float, period: list[_Ev], bounded: bool) -> dict:
+    """One step's records of each component and the rule that found them."""
+    fwd = _outermost(period, lambda e: e.cat == "python_function" and bool(FORWARD.search(e.name)))
+    f_ids = {id(f) for f in fwd}
+    inside = [e for e in period if _inside(e, f_ids)] if fwd else period
+    if fwd:
+        calls = sorted((c for f in fwd for c in _calls(f)), key=lambda e: e.ts)
+    else:  # no forward record: the step's outermost Python records stand for its calls
+        py = [e for e in period if e.cat == "python_function"]
+        ids = {id(e) for e in py}
+        calls = [e for e in py if not _inside(e, ids)]
+    found, rules = {}, {}
+    # the sampler: FusedFrameSampler's methods called by the forward; by file name elsewhere
+    sampler = _by_name(inside, SAMPLER_CALL)
+    rules["sampler"] = "structure: the sampler's main_tokens and code calls in the forward" if sampler else None
+    if not sampler:
+        sampler = _by_name(inside, SAMPLER)
+        rules["sampler"] = "class name: fish_omni/sampling.py" if sampler else None
+    # the backbone runs before the sampler's first draw, unless the period starts at the tower
+    first_draw = min((s.ts for s in sampler), default=end) if bounded else end
+    backbone, rules["backbone"] = _find_backbone(calls, first_draw, last=not bounded)
+    if not backbone:
+        backbone = _by_name(inside, BACKBONE) or _by_name(inside, LAYER)
+        rules["backbone"] = f"class name: {_stem(backbone[0])}" if backbone else None
+    b_ids = {id(e) for e in backbone}
+    if bounded:  # the module calls the forward makes after the backbone returns
+        b_end = max((b.end for b in backbone), default=None)
+        tower = [c for c in calls if c.module and b_end is not None and c.ts >= b_end - 0.5 and id(c) not in b_ids]
+        where = "after the backbone"
+    else:  # the period starts at the tower's first layer: the module calls up to the next backbone
+        b_start = min((b.ts for b in backbone), default=end)
+        tower = [c for c in calls if c.module and c.end <= b_start + 0.5 and id(c) not in b_ids]
+        where = "from the tower's first layer to the backbone"
+    rules["tower"] = (f"structure: the module calls {where} ({len(tower)}: "
+                      f"{', '.join(sorted({_stem(t) for t in tower}))})") if tower else None
+    if not tower:
+        tower = _outermost([e for e in inside if not _inside(e, b_ids) and id(e) not in b_ids],
+                           lambda e: bool(TOWER.search(e.name) or HEAD.search(e.name)))
+        rules["tower"] = f"class name: {', '.join(sorted({_stem(t) for t in tower}))}" if tower else None
+    found = {"backbone": backbone, "tower": tower, "sampler": sampler}
+    t_ids = {id(e) for e in tower}
+    nested = {comp: sum(1 for s in sampler if _inside(s, ids))
+              for comp, ids in (("backbone", b_ids), ("tower", t_ids))}
+    # painted once, innermost first: a sampler call inside a tower layer is the sampler's time
+    lo, hi = step.ts, end
+    s_iv = _spans(sampler, lo, hi)
+    t_iv = _minus(_spans(tower, lo, hi), s_iv)
+    b_iv = _minus(_minus(_spans(backbone, lo, hi), t_iv), s_iv)
+    named = _union(s_iv + t_iv + b_iv)
+    out = {k: _length(v) / 1e3 for k, v in (("backbone", b_iv), ("tower", t_iv), ("sampler", s_iv))}
+    covered = named
+    if fwd:
+        f_iv = _spans(fwd, lo, hi)
+        rest = _minus(_spans(inside, lo, hi), named)
+        outside = _minus(_spans([e for e in period if id(e) not in f_ids and not _inside(e, f_ids)], lo, hi), f_iv)
+        out["rest_of_forward"], out["outside_forward"] = _length(rest) / 1e3, _length(outside) / 1e3
+        covered = _union(named + rest + outside)
+    else:
+        out["rest_of_forward"] = out["outside_forward"] = None
+    out["unattributed"] = (hi - lo - _length(covered)) / 1e3
+    return {"ms": out, "found": {k: bool(v) for k, v in found.items()}, "rules": rules, "nested": nested,
+            "forward": bool(fwd)}
+
+
+def rank_of(path) -> str:
+    """The rank a trace's file or folder names (vLLM's ``..._rank0.N.pt.trace.json.gz``, vLLM-Omni's
+    ``trace_rank0``, torch-npu's ``stage0_rank0/``), else ``unknown``."""
+    found = re.findall(r"rank(\d+)", str(path))
+    return found[-1] if found else "unknown"
+
+
+def attribute(evs: list[_Ev], *, limit: int | None = None) -> dict:
+    """``frame_time`` from a trace's kept events: steps, step_ms, components_ms, unattributed_ms,
+    rules, problems, top_ops; the step and the component figures from the same steps (the first
+    ``limit`` decode steps with a successor, all of them by default)."""
     annotated = sorted((e for e in evs if STEP.match(e.name)), key=lambda e: e.ts)
     _nest(evs)
     if annotated:
@@ -355,61 +574,59 @@ def attribute(evs: list[_Ev]) -> dict:
     if not steps:
         raise ProfileError("no two consecutive decode steps in the trace: no step annotation "
                            "(execute_context_0...) and no record of the codebook tower's layers")
+    if limit is not None:
+        steps = steps[:limit]
     thread = steps[0][0].key
     periods = [(end - s.ts) / 1e3 for s, end in steps]
     mine = sorted((e for e in evs if e.key == thread), key=lambda e: e.ts)
-    spans = [(step, [e for e in mine if step.ts <= e.ts and e.end <= end + 0.5]) for step, end in steps]
-    forwards = [_outermost(inside, lambda e: bool(FORWARD.search(e.name))) for _, inside in spans]
-    comps = {k: [] for k in COMPONENTS}
-    full = bool(annotated) and all(forwards)
-    for (step, period), fwd in zip(spans, forwards):
-        # with the forward's record, its parts are read inside it; without, anywhere in the step
-        inside = [e for e in period if _inside(e, {id(f) for f in fwd})] if full else period
-        backbone = _outermost(inside, lambda e: bool(BACKBONE.search(e.name) or (not full and LAYER.match(e.name))))
-        bb_ids = {id(e) for e in backbone}
-        tower = _outermost([e for e in inside if not _inside(e, bb_ids)],
-                           lambda e: bool(TOWER.search(e.name) or HEAD.search(e.name)))
-        comps["backbone"].append(_ms(backbone))
-        comps["tower"].append(_ms(tower))
-        if full:
-            sampler = _outermost(inside, lambda e: bool(SAMPLER.search(e.name)))
-            sampled = _outermost([e for e in period if not _inside(e, {id(step)})],
-                                 lambda e: bool(SAMPLE_TOKENS.search(e.name)))
-            busy = step.dur / 1e3 + _ms(sampled)
-            comps["sampler"].append(_ms(sampler))
-            comps["other"].append(_ms(fwd) - _ms(backbone) - _ms(tower) - _ms(sampler))
-            comps["outside_forward"].append(busy - _ms(fwd))
+    parts = []
+    for step, end in steps:
+        period = [e for e in mine if step.ts <= e.ts and e.end <= end + 0.5]
+        parts.append(_parts(step, end, period, bounded=bool(annotated)))
     n = len(steps)
     step_mean = sum(periods) / n
-    out = {
+    mean = {k: (sum(p["ms"][k] for p in parts) / n if all(p["ms"][k] is not None for p in parts) else None)
+            for k in COMPONENTS + ("unattributed",)}
+    unattributed = mean.pop("unattributed")
+    share = unattributed / step_mean if step_mean > 0 else 0.0
+    problems = []
+    if not all(p["forward"] for p in parts):
+        missing = sum(not p["forward"] for p in parts)
+        problems.append(f"forward: no record of the model's forward in {missing} of {n} steps, so the rest of the "
+                        "forward and the time outside it are not measured" if annotated else
+                        "forward: no step annotation, so the steps run from one tower first layer to the next and "
+                        "cut the forward's record: the rest of the forward and the time outside it are not measured")
+    for comp in MUST_RUN:
+        missing = sum(not p["found"][comp] for p in parts)
+        if missing:
+            problems.append(f"{comp}: no record matched in {missing} of {n} steps; {share:.0%} of the step is "
+                            "unattributed")
+    for comp in ("backbone", "tower"):
+        hit = [p["nested"][comp] for p in parts if p["nested"][comp]]
+        if hit:
+            problems.append(f"sampler: {sum(hit)} of its records lie inside the {comp}'s in {len(hit)} of {n} steps: "
+                            f"counted once, as the sampler's, and taken out of the {comp}")
+    rules = {}
+    for comp in MUST_RUN:
+        seen = sorted({p["rules"][comp] for p in parts if p["rules"][comp]})
+        rules[comp] = "; ".join(seen) if seen else None
+    return {
         "steps": n,
         "step_ms": {"p50": _percentile(periods, 50), "p90": _percentile(periods, 90), "mean": step_mean},
         "frame_ms": FRAME_MS,
         "steps_from": marked_by,
+        "components_ms": mean,
+        "unattributed_ms": unattributed,
+        "rules": rules,
+        "problems": problems,
+        "top_ops": _top_ops(evs, steps, step_mean * n),
     }
-    mean = {k: (sum(v) / n if v else None) for k, v in comps.items()}
-    if full:
-        out["components_ms"] = mean
-        out["component_sum_ms"] = sum(mean.values())
-        out["coverage"] = out["component_sum_ms"] / step_mean if step_mean > 0 else None
-        out["attributed"] = True
-    elif mean["backbone"] or mean["tower"]:
-        out["components_ms"] = mean
-        out["unattributed_ms"] = step_mean - mean["backbone"] - mean["tower"]
-        out["attributed"] = False
-        out["note"] = ("partly attributed: the backbone from its decoder layers' module records and the tower from "
-                       "its layers and heads; the sampler, the rest of the forward and the runner's work have no "
-                       "record of their own without Python stacks" + ("" if annotated else
-                                                                      ", and no step annotation bounds the step"))
-    else:
-        out["components_ms"] = None
-        out["attributed"] = False
-        out["note"] = ("cannot attribute time inside the step to backbone, tower and sampler: "
-                       + ("the steps hold no record of the model's forward (a compiled stage 0 replays a captured "
-                          "graph; the profiler records Python calls only with Python stacks)" if annotated else
-                          "no step annotation to bound the worker's step, and no record of the model's forward"))
-    out["top_ops"] = _top_ops(evs, steps, step_mean * n)
-    return out
+
+
+def read(path: Path, *, limit: int | None = None, events: list | None = None) -> dict:
+    """The per-frame table of one saved trace (``frame-time`` and validate's window alike)."""
+    out = attribute(load_events(path) if events is None else events, limit=limit)
+    return out | {"rank": rank_of(path), "trace": str(path)}
 
 
 def _top_ops(evs: list[_Ev], steps, total_ms: float) -> list[dict]:
@@ -444,6 +661,32 @@ def _top_ops(evs: list[_Ev], steps, total_ms: float) -> list[dict]:
 # -- the report ---------------------------------------------------------------------------------
 
 
+def table(ft: dict) -> list[str]:
+    """The per-frame table of one trace (lines): validate's section and ``frame-time``'s output."""
+    s = ft["step_ms"]
+    mean = s["mean"]
+    out = [f"{ft['steps']} decode steps of rank {ft.get('rank', 'unknown')} (steps from {ft['steps_from']}): a step "
+           f"every {s['p50']:.1f} ms (p50), {s['p90']:.1f} ms (p90); a frame is {FRAME_MS:.1f} ms of audio, so "
+           "real time needs a step at most that long. Each component is the time its own records cover, counted "
+           "once; what no record covers is unattributed.", "",
+           "| component | ms per step | share of the step | found by |", "| --- | --- | --- | --- |"]
+    rules = ft.get("rules") or {}
+    for k, v in ft["components_ms"].items():
+        how = rules.get(k) or ("-" if k in MUST_RUN else "its records")
+        out.append(f"| {k.replace('_', ' ')} | {v:.2f} | {v / mean:.0%} | {how} |" if v is not None else
+                   f"| {k.replace('_', ' ')} | - | - | not measured |")
+    u = ft["unattributed_ms"]
+    out += [f"| unattributed | {u:.2f} | {u / mean:.0%} | no record |", ""]
+    if ft["problems"]:
+        out += ["Problems:", ""] + [f"- {p}" for p in ft["problems"]] + [""]
+    if ft.get("top_ops"):
+        out += ["| top op by self time | ms per step | share |", "| --- | --- | --- |"]
+        out += [f"| `{o['name'][:80].replace('|', '/')}` | {o['ms_per_step']:.2f} | "
+                f"{(o['share'] or 0):.0%} |" for o in ft["top_ops"]]
+        out.append("")
+    return out
+
+
 def markdown(ft: dict | None) -> list[str]:
     """The report's "Per-frame time" section (lines)."""
     if not ft:
@@ -451,28 +694,8 @@ def markdown(ft: dict | None) -> list[str]:
     head = ["", "### Per-frame time (stage 0, concurrency 1)", ""]
     if ft.get("error"):
         return head + [f"Not measured: {ft['error']}.", ""]
-    s = ft["step_ms"]
-    head += [f"{ft['steps']} decode steps under vLLM's torch profiler (rank 0, Python stacks on, which slows "
-             f"each step): a step every {s['p50']:.1f} ms (p50), {s['p90']:.1f} ms (p90); a frame is "
-             f"{FRAME_MS:.1f} ms of audio, so real time needs a step at most that long.", ""]
-    comps = ft.get("components_ms")
-    if comps:
-        mean = s["mean"]
-        head += ["| component | ms per step | share of the step |", "| --- | --- | --- |"]
-        head += [f"| {k.replace('_', ' ')} | {v:.2f} | {v / mean:.0%} |" if v is not None else
-                 f"| {k.replace('_', ' ')} | - | - |" for k, v in comps.items()]
-        if ft["attributed"]:
-            head += [f"| sum | {ft['component_sum_ms']:.2f} | {ft['coverage']:.0%} of {mean:.2f} ms |", ""]
-        else:
-            head += [f"| not attributed | {ft['unattributed_ms']:.2f} | {ft['unattributed_ms'] / mean:.0%} |", "",
-                     f"Components: {ft['note']}.", ""]
-    else:
-        head += [f"Components: {ft.get('note', 'cannot attribute time inside the step')}.", ""]
-    if ft.get("top_ops"):
-        head += ["| top op by self time | ms per step | share |", "| --- | --- | --- |"]
-        head += [f"| `{o['name'][:80].replace('|', '/')}` | {o['ms_per_step']:.2f} | "
-                 f"{(o['share'] or 0):.0%} |" for o in ft["top_ops"]]
-        head.append("")
+    head += ["Under vLLM's torch profiler (Python stacks on, which slows each step).", ""]
+    head += table(ft)
     head += [f"Trace: `{ft.get('trace', ft.get('trace_dir'))}`; the window took {ft.get('window_s', 0):.0f} s.", ""]
     return head
 
@@ -483,11 +706,10 @@ def summary(ft: dict | None) -> str:
         return "not profiled"
     if ft.get("error"):
         return f"not measured: {ft['error']}"
-    line = f"{ft['steps']} steps, a step every {ft['step_ms']['p50']:.1f} ms (p50)"
-    comps = ft.get("components_ms")
-    if not comps:
-        return line + "; components not attributed"
-    known = ", ".join(f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in comps.items() if v is not None)
-    if not ft["attributed"]:
-        return line + f"; {known}, {ft['unattributed_ms']:.1f} ms not attributed"
-    return line + f"; {known} ({ft['coverage']:.0%} of the step)"
+    line = f"{ft['steps']} steps of rank {ft.get('rank', 'unknown')}, a step every {ft['step_ms']['p50']:.1f} ms (p50)"
+    known = ", ".join(f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in ft["components_ms"].items() if v is not None)
+    line += f"; {known}, {ft['unattributed_ms']:.1f} ms unattributed" if known else \
+        f"; {ft['unattributed_ms']:.1f} ms unattributed"
+    if ft["problems"]:
+        line += f"; {len(ft['problems'])} problem(s): " + "; ".join(ft["problems"])
+    return line

@@ -6,6 +6,13 @@ TERM then, after a bounded wait, KILL, whether or not the leader is still there:
 outlived a crashed leader is still the server's. Processes that left the group (a new session of
 their own) are found through the process tree, which is noted while the server runs
 (:meth:`Server.note_tree`).
+
+Only the server is ever signalled (validate runs as root): the leader is not reaped until the
+last signal is sent, so while validate signals, the leader's pid and its group's id cannot name
+another process; the leader itself is signalled through a pidfd where the kernel has them. Its
+exit is observed without reaping it (``waitid(WNOWAIT)``). Descendants that left the group are
+signalled only while they are the process noted (pid and start time). Once the leader is reaped,
+neither its pid nor its group id is signalled or counted as the server's again.
 """
 
 from __future__ import annotations
@@ -91,27 +98,57 @@ class Server:
         self.proc = proc
         self.pgid = proc.pid  # start_new_session: the leader leads its own group
         self.seen: dict[int, int] = {}  # pid -> start time: descendants noted while the server ran
+        self._status: int | None = None  # the leader's exit status, seen without reaping it
+        self.reaped = False
+        try:  # the leader is our unreaped child here, so this pid is still it
+            self.pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # no pidfd (kernel < 5.3, not Linux): the pid, still unreaped
+            self.pidfd = None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def poll(self):
-        return self.proc.poll()
+        """The leader's exit status, or None while it runs; the leader is not reaped (its pid and
+        group id stay the server's until :meth:`stop` has sent its last signal)."""
+        if self._status is None and not self.reaped:
+            try:
+                info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped by someone else (not validate's code): its pid is not ours
+                self.reaped = True
+                return self.proc.returncode
+            if info is not None:
+                self._status = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        return self._status if not self.reaped else self.proc.returncode
 
     @property
     def returncode(self):
-        return self.proc.returncode
+        return self.poll()
+
+    def _reap(self) -> None:
+        """The leader reaped (at the end of :meth:`stop`): from now on its pid and group id are free
+        for the kernel to reuse, and are neither signalled nor counted."""
+        if not self.reaped:
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                return
+            self.reaped = True
+            if self.pidfd is not None:
+                os.close(self.pidfd)
+                self.pidfd = None
 
     def note_tree(self) -> None:
-        """Remember every live descendant of the leader and every member of its group."""
+        """Remember every live descendant of the leader and every member of its group (the leader
+        and its group only while it is unreaped: after that, the numbers may be someone else's)."""
         table = {pid: st for pid in _all_pids() if (st := _stat(pid)) is not None}
-        family = {self.pid}
+        family = set() if self.reaped else {self.pid}
         grew = True
         while grew:
             grew = False
             for pid, (ppid, pgrp, state, start) in table.items():
-                if pid not in family and (ppid in family or pgrp == self.pgid):
+                if pid not in family and (ppid in family or (pgrp == self.pgid and not self.reaped)):
                     family.add(pid)
                     grew = True
         for pid in family:
@@ -126,16 +163,24 @@ class Server:
             st = _stat(pid)
             if st is None or st[2] == "Z":
                 continue
-            if st[1] == self.pgid or self.seen.get(pid) == st[3]:
+            if (st[1] == self.pgid and not self.reaped) or self.seen.get(pid) == st[3]:
                 out.append(pid)
         return out
 
     def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # the group has vanished: nothing of it to signal
+        if not self.reaped:  # the leader unreaped: its pid and group id are still the server's
+            if self.pidfd is not None:
+                try:
+                    signal.pidfd_send_signal(self.pidfd, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                os.killpg(self.pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass  # the group has vanished: nothing of it to signal
         for pid in self.alive():
+            if pid == self.pid and self.reaped:
+                continue
             try:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
@@ -144,8 +189,7 @@ class Server:
     def _wait_gone(self, seconds: float) -> list[int]:
         deadline = time.monotonic() + seconds
         while True:
-            self.proc.poll()  # reap the leader: a zombie leader would keep the group "alive"
-            left = self.alive()
+            left = self.alive()  # a zombie leader is not counted: it is reaped once signalling is over
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(0.2)
@@ -153,30 +197,27 @@ class Server:
     def stop(self, grace: float = 60.0, kill_wait: float = 30.0) -> dict:
         """TERM to every process of the server, up to ``grace`` seconds for them to end, then KILL
         to what is left. Returns what happened: ``{"terminated": n, "killed": n, "left": [pids]}``."""
-        self.proc.poll()
         self.note_tree()
         before = self.alive()
         if not before:
-            self.proc.poll()
+            self._reap()
             return {"terminated": 0, "killed": 0, "left": []}
         self._signal(signal.SIGTERM)
         stubborn = self._wait_gone(grace)
         if stubborn:
             self._signal(signal.SIGKILL)
         left = self._wait_gone(kill_wait) if stubborn else []
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+        self._reap()
         return {"terminated": len(before) - len(stubborn), "killed": len(stubborn) - len(left), "left": left}
 
 
-def start(model: str, deploy: Path, port: int, env: dict, log: Path) -> Server:
+def start(model: str, deploy: Path, port: int, env: dict, log) -> Server:
+    """``vllm serve`` started with its output to ``log`` (a file open for writing, made by the
+    caller: validate makes it new, 0600, in its own folder)."""
     argv = [vllm_command(), "serve", model, "--omni", "--deploy-config", str(deploy), "--host", "127.0.0.1",
             "--port", str(port)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_child_setup(_prctl()))
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_child_setup(_prctl()))
     return Server(proc)
 
 

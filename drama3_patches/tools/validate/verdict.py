@@ -8,7 +8,6 @@ is a failed check saying so, never a pass. ``report.json`` keeps ``passed``, ``c
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 
 VERSIONED = ("vllm", "vllm-ascend", "vllm-omni", "torch", "torch-npu", "drama3-patches")
@@ -21,6 +20,20 @@ class Check:
     detail: str
     applicable: bool = True
     wall_s: float | None = None
+
+
+STREAM_MARGIN_S = 0.010  # row b: a clone's first audio must arrive this long before its last chunk
+# The codec's first window: vLLM-Omni's fish_omni.yaml and every shipped profile have codec_chunk_ramp
+# "6,8,12,16,24,32", so stage 1 sends a clone's first 6 frames as one chunk.
+FIRST_WINDOW_FRAMES = 6
+FRAME_SAMPLES = 2048
+
+
+def streamed(chunks) -> bool:
+    """Whether a clone's audio streamed: two chunks or more (``(arrival_s, audio_s)``), the first
+    arriving at least :data:`STREAM_MARGIN_S` before the last (a response buffered whole and sent
+    at once arrives in pieces within a millisecond or so)."""
+    return len(chunks) >= 2 and chunks[-1][0] - chunks[0][0] >= STREAM_MARGIN_S
 
 
 @dataclass
@@ -47,34 +60,74 @@ class Run:
     diagnosis: list = field(default_factory=list)  # report.md's lines on the first failing row
     facts: dict = field(default_factory=dict)  # host facts summary (facts.collect); whole in host-facts.md
     frame_time: dict | None = None  # profile.measure's figures, when profiled
+    capture_platform: bool | None = None  # whether vLLM captures graphs here (not on its CPU build); None: ask
 
     # -- phases --------------------------------------------------------------------------------
 
-    def startup(self, ready: bool, waited: float, why: str, captures: int) -> None:
-        """``captures``: graph-capture records stage 0's own processes printed (logscan)."""
+    def startup(self, ready: bool, waited: float, why: str, graphs: dict) -> None:
+        """``graphs``: stage 0's capture records per worker and its compile records
+        (``logscan.LogScan.stage0_graphs``). A graph profile passes only with a capture record from
+        each stage-0 worker; compiling is not capturing. Where the platform captures nothing
+        (vLLM's CPU build), a compiled stage 0 is said to be compiled, not captured."""
         self.ready = ready
         if not ready:
             self.checks["a"] = Check("a. start-up", False, f"{why} ({waited:.0f} s); see server.log", wall_s=waited)
             return
-        if self.compiled:
-            ok = captures > 0
-            detail = (f"ready in {waited:.0f} s; stage 0 compiled: {captures} graph-capture line(s) from stage 0"
-                      if ok else f"ready in {waited:.0f} s, but stage 0 should compile and none of its processes "
-                                 "logged a graph capture")
+        head = f"ready in {waited:.0f} s"
+        captures, compiles = graphs.get("captures", {}), graphs.get("compiles", 0)
+        if not self.compiled:
+            ok, detail = True, f"{head}; stage 0 eager (enforce_eager): no graph capture"
+        elif not self._captures_graphs():
+            ok = compiles > 0
+            detail = (f"{head}; stage 0 compiled ({compiles} compile record(s)); capture not available on this "
+                      "platform" if ok else f"{head}, but stage 0 should compile and logged no compile record")
         else:
-            ok, detail = True, f"ready in {waited:.0f} s; stage 0 eager (enforce_eager): no graph capture"
+            missing = [role for role, n in captures.items() if n == 0]
+            ok = bool(captures) and not missing
+            if ok:
+                detail = (f"{head}; stage 0 captured graphs on each of its {len(captures)} worker(s) "
+                          f"({sum(captures.values())} capture record(s)), {compiles} compile record(s)")
+            elif not captures:
+                detail = f"{head}, but no stage-0 worker was found in the log to have captured a graph"
+            elif len(missing) == len(captures):
+                detail = (f"{head}; stage 0 compiled but captured no graph ({compiles} compile record(s), "
+                          "no capture record)" if compiles else
+                          f"{head}, but stage 0 captured no graph (no capture record from its workers)")
+            else:
+                detail = (f"{head}, but stage 0 captured graphs on {len(captures) - len(missing)} of "
+                          f"{len(captures)} workers: {', '.join(missing)} logged no capture record")
         self.checks["a"] = Check("a. start-up", ok, detail, wall_s=waited)
+
+    def _captures_graphs(self) -> bool:
+        if self.capture_platform is None:
+            from drama3_patches.platform import current_platform
+
+            self.capture_platform = current_platform() != "cpu"
+        return self.capture_platform
 
     def clones(self, phase, audio: list) -> None:
         self.audio += audio
         problems, n = phase.problems, len(phase.sent)
         overlaps = phase.overlaps()
-        ok = not problems and (n == 1 or overlaps > 0)
+        complete = [s for s in phase.sent if s.problem() is None]
+        # a clone that ended within the codec's first window has one chunk to send, however it streams
+        judged = [s for s in complete if s.samples // FRAME_SAMPLES > FIRST_WINDOW_FRAMES]
+        whole = [s for s in judged if not streamed(s.result.chunks)]
+        ok = not problems and (n == 1 or overlaps > 0) and bool(judged) and not whole
         detail = (f"{phase.completed}/{n} streamed clones complete in whole 44.1 kHz frames; {overlaps} arrived "
-                  f"while an earlier one was streaming")
+                  f"while an earlier one was streaming; chunks per clone: "
+                  f"{', '.join(str(len(s.result.chunks)) for s in complete) or '-'}")
+        if len(judged) < len(complete):
+            detail += (f"; {len(complete) - len(judged)} ended within the first {FIRST_WINDOW_FRAMES}-frame window "
+                       "(not judged for streaming)")
+        if complete and not judged:
+            detail += "; no clone ran past the first window, so none shows it streamed: raise --clone-frames"
+        if whole:
+            detail += (f"; {len(whole)} of {len(judged)} clones arrived in one piece (fewer than 2 chunks, or "
+                       f"the first audio less than {STREAM_MARGIN_S * 1e3:.0f} ms before the last chunk)")
         if problems:
             detail += "; " + "; ".join(problems[:4])
-        elif not ok:
+        elif not ok and not whole and judged:
             detail += ": none overlapped, lower --stagger"
         self._served(phase)
         self.checks["b"] = Check("b. streaming voice clones", ok, detail, wall_s=phase.wall_s)
@@ -143,18 +196,28 @@ class Run:
         self.checks["e"] = Check("e. patch states", ok, detail)
         self.processes = [{"pid": p.pid, "role": p.role, "enabled": p.enabled, "states": p.states,
                            "counts": p.counts} for p in procs]
+        from drama3_patches.tools.validate.logscan import SERVER_LOG_LEVEL, is_stage0
+
         count, shown = scan.bad_count, scan.bad_shown
+        silent = [f"{p.role} (pid {p.pid}) logged nothing" for p in procs
+                  if is_stage0(p.role) and not scan.records.get(p.pid)]
+        heard = sum(1 for p in procs if is_stage0(p.role) and scan.records.get(p.pid))
         detail = "no device, collective or traceback line" if not count else \
             f"{count} line(s): " + " | ".join(shown)
-        self.checks["f"] = Check("f. server log", count == 0 and self.ready, detail if self.ready else
-                                 f"the server did not start; {detail}")
+        detail += (f"; records from {heard} stage-0 process(es) (served at VLLM_LOGGING_LEVEL={SERVER_LOG_LEVEL}, "
+                   "whatever the shell sets)")
+        if not heard and not silent:
+            silent = ["no stage-0 process is known from its report, so none was heard"]
+        detail += "".join(f"; {s}" for s in silent)
+        self.checks["f"] = Check("f. server log", count == 0 and not silent and self.ready,
+                                 detail if self.ready else f"the server did not start; {detail}")
 
     def diagnose(self, matcher) -> None:
         """report.md's diagnosis: the first failing row and, from the log's signatures, the likely
         cause and its fix (``diagnose.explain``)."""
         from drama3_patches.tools.validate import diagnose
 
-        self.diagnosis = diagnose.explain(self.first_failed, matcher)
+        self.diagnosis = diagnose.explain(self.first_failed, matcher, diagnose.run_facts(self.tp, self.ep))
 
     def _served(self, phase) -> None:
         self.counts["requests_completed"] += phase.completed
@@ -225,11 +288,10 @@ class Run:
         return "\n".join(head) + "\n"
 
     def write(self, out) -> None:
-        """``report.json`` and ``report.md`` in ``out``, each replaced whole (never half written)."""
+        """``report.json`` and ``report.md`` in ``out`` (an ``outdir.OutFolder``), each replaced
+        whole through the folder's descriptor (never half written, never through a link)."""
         for name, text in (("report.json", self.json()), ("report.md", self.markdown())):
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, out / name)
+            out.write(name, text)
 
 
 def _ms(value) -> str:
