@@ -27,12 +27,12 @@ def test_route_peaks_follow_the_published_post_processing_layer_by_layer(tmp_pat
     # expert's resolved w13 and three float32 bands of min(1024, 2I) rows.
     stage13 = 2 * I * H * 2 + 3 * 4 * min(1024, 2 * I) * H
     native = 1000 + (L - 1) * layer_bf16 + (w13_stored + w2_stored) + w13_bf16 + stage13
-    peaks = fp8_routes.route_peaks(ckpt, shape, 1.0, 1000)
+    peaks = fp8_routes.route_peaks(planner.expert_layers(ckpt), shape, 1.0, 1000)
     assert peaks["native"] == native and peaks["native_at"] == "layer 3: w13 resolved beside its FP8 source"
     assert peaks["cpu"] == 1000 + L * layer_bf16
     assert peaks["cpu_host"] == L * (w13_stored + w2_stored)
     # Half the experts per card (EP over two cards): every expert term halves, the staging does not.
-    half = fp8_routes.route_peaks(ckpt, shape, 0.5, 1000)
+    half = fp8_routes.route_peaks(planner.expert_layers(ckpt), shape, 0.5, 1000)
     assert half["native"] == 1000 + ((L - 1) * layer_bf16 + w13_stored + w2_stored + w13_bf16) / 2 + stage13
 
 

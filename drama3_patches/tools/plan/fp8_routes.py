@@ -36,24 +36,6 @@ class ExpertLayer:
     w2_bf16: float = 0
 
 
-def expert_layers(ckpt) -> list[ExpertLayer]:
-    """The checkpoint's expert tensors summed per layer, in the order vLLM post-processes them."""
-    from drama3_patches.tools.plan.model import _GATE_UP, _LAYER, _SCALE, _role
-
-    layers: dict[int, ExpertLayer] = {}
-    for t in ckpt.tensors.values():
-        if _role(ckpt, t.name) != "expert":
-            continue
-        m = _LAYER.search(t.name)
-        index = int(m.group(1)) if m else -1
-        layer = layers.setdefault(index, ExpertLayer(index))
-        part = "w13" if _GATE_UP.search(t.name) else "w2"
-        setattr(layer, f"{part}_stored", getattr(layer, f"{part}_stored") + t.nbytes)
-        if not _SCALE.search(t.name):
-            setattr(layer, f"{part}_bf16", getattr(layer, f"{part}_bf16") + t.numel * 2)
-    return [layers[i] for i in sorted(layers)]
-
-
 def _staging(hidden: int, inter: int, per_expert_w13: float, per_expert_w2: float) -> tuple[float, float]:
     """Transient bytes while one expert is resolved: its bf16 result, plus the float32 band of rows
     (weight, scales and product) of one step."""
@@ -62,11 +44,11 @@ def _staging(hidden: int, inter: int, per_expert_w13: float, per_expert_w2: floa
     return w13, w2
 
 
-def route_peaks(ckpt, shape, efrac: float, fixed: float) -> dict:
+def route_peaks(layers: list[ExpertLayer], shape, efrac: float, fixed: float) -> dict:
     """Per card: the load peak of each route (bytes), where the native one peaks, the host bytes of
-    the CPU route. ``efrac``: the share of each layer's experts a card holds; ``fixed``: everything
-    else resident on the card before the experts are post-processed (dense weights, tower, buffers)."""
-    layers = expert_layers(ckpt)
+    the CPU route. ``layers``: the checkpoint's experts per layer (``plan.model.expert_layers``);
+    ``efrac``: the share of each layer's experts a card holds; ``fixed``: everything else resident
+    on the card before the experts are post-processed (dense weights, tower, buffers)."""
     if not layers:
         return {}
     stored = [(lay.w13_stored + lay.w2_stored) * efrac for lay in layers]
