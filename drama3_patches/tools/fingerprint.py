@@ -1,11 +1,13 @@
 """A patch target's source fingerprint: whether upstream changed the code a patch was reviewed on.
 
-The fingerprint is the first 16 hex digits of the SHA-256 of the target's definition as
-``ast.unparse`` writes it back with its docstrings removed, so comments, blank lines, quoting and
-layout do not count and any change to the code does. It is read from the module's source file,
-never by importing it, so the drift report can read a source tree of another vLLM than the one
-installed. The manifest's ``reviewed_source`` records it per target and version (``drama3-patches
-drift`` compares a tree with it; ``status`` and ``doctor`` compare the installed target).
+The fingerprint is the first 16 hex digits of the SHA-256 of the target's syntax tree (node types
+and fields, without positions or empty fields) with its docstrings removed, so comments, blank
+lines, quoting and layout do not count and any change to the code does; the same on Python 3.10
+to 3.13 (``ast.unparse`` is not: 3.10 writes some code differently). It is read from the
+module's source file, never by importing it, so the drift report can read a source tree of
+another vLLM than the one installed. The manifest's ``reviewed_source`` records it per target
+and version (``drama3-patches drift`` compares a tree with it; ``status`` and ``doctor`` compare
+the installed target).
 
 Stdlib and ``reader`` only; the tools import it, no serving process does.
 """
@@ -145,9 +147,25 @@ def _strip_docstrings(node):
     return node
 
 
+def _canonical(value) -> str:
+    """The tree as text: node names and fields, no positions, empty fields left out (so the fields
+    later Pythons add, e.g. type_params=[], and ast.dump's changing defaults do not count)."""
+    if isinstance(value, ast.AST):
+        fields = []
+        for name in value._fields:
+            item = getattr(value, name, None)
+            if item is None or (isinstance(item, list) and not item):
+                continue
+            fields.append(f"{name}={_canonical(item)}")
+        return f"{type(value).__name__}({', '.join(fields)})"
+    if isinstance(value, list):
+        return "[" + ", ".join(_canonical(item) for item in value) + "]"
+    return repr(value)
+
+
 def of_node(node) -> str:
     """The fingerprint of one definition node (changed in place: docstrings dropped)."""
-    text = ast.unparse(_strip_docstrings(node))
+    text = _canonical(_strip_docstrings(node))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
