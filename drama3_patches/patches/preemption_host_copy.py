@@ -16,12 +16,10 @@ on the parked record, so it lives exactly as long as upstream keeps the park (a 
 abort drops both). ``build_resume`` wraps ``add_request`` and compares what the published code
 queued for the resumed slot (``_pending_history``) with that copy, raising
 :class:`ResumedHistoryMismatch` on a difference. The reference never comes from what the park
-produced, so a park that reads the wrong slot or alters the frames fails the check. Lengths are
-exact: the fed history has as many frames as the scheduler counts as generated (the resumed
-request's ``prefill_token_ids`` beyond its prompt), and the reference at most that many plus the
-frames async scheduling can have had in flight when the request was preempted
-(:func:`inflight_frames`). Each process's report counts ``preemptions``, ``resumes`` and
-``resumes_verified``.
+produced, so a park that reads the wrong slot or alters the frames fails the check. The fed
+length must equal the scheduler's count (``prefill_token_ids`` past the prompt); the reference's
+may exceed that count by :func:`inflight_frames` only. Each process's report counts
+``preemptions``, ``resumes`` and ``resumes_verified``.
 """
 
 from __future__ import annotations
