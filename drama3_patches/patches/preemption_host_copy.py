@@ -16,8 +16,10 @@ on the parked record, so it lives exactly as long as upstream keeps the park (a 
 abort drops both). ``build_resume`` wraps ``add_request`` and compares what the published code
 queued for the resumed slot (``_pending_history``) with that copy, raising
 :class:`ResumedHistoryMismatch` on a difference. The reference never comes from what the park
-produced, so a park that reads the wrong slot or alters the frames fails the check. Each
-process's report counts ``preemptions``, ``resumes`` and ``resumes_verified``.
+produced, so a park that reads the wrong slot or alters the frames fails the check. The fed
+length must equal the scheduler's count (``prefill_token_ids`` past the prompt); the reference's
+may exceed that count by :func:`inflight_frames` only. Each process's report counts
+``preemptions``, ``resumes`` and ``resumes_verified``.
 """
 
 from __future__ import annotations
@@ -96,20 +98,56 @@ class SlotReference:
         return getattr(parked, cls.ATTR, None)
 
     @staticmethod
-    def verify(req_id, reference: torch.Tensor, fed: torch.Tensor) -> None:
-        """``fed``: the ``[frames, codebooks]`` history the resumed slot is given; it must be the
-        first ``frames`` rows of the reference."""
+    def verify(req_id, reference: torch.Tensor, fed: torch.Tensor, generated: int, slack: int) -> None:
+        """``fed``: the ``[frames, codebooks]`` history the resumed slot is given; ``generated``: the
+        frames the scheduler counts as generated. ``fed`` must have exactly ``generated`` frames, the
+        reference at most ``generated + slack`` (``slack``: :func:`inflight_frames`), and ``fed``
+        must be the reference's first frames."""
         fed = fed.to("cpu")
-        frames = fed.shape[0]
+        frames, kept = fed.shape[0], reference.shape[0]
+        if frames != generated:
+            raise ResumedHistoryMismatch(
+                f"request {req_id}: resumed with {frames} frames of history, but the scheduler counts {generated} "
+                f"generated frames ({env.RESUME_CHECK}=1). The request would continue from a history of another "
+                "length than its own: stop the deployment and report it with this line")
+        if kept > generated + slack:
+            raise ResumedHistoryMismatch(
+                f"request {req_id}: its slot held {kept} frames at preemption, more than the {generated} the "
+                f"scheduler counts as generated plus {slack} that async scheduling can have in flight "
+                f"({env.RESUME_CHECK}=1). Frames the request generated were lost from its count: stop the "
+                "deployment and report it with this line")
         expected = reference[:frames].to(fed.dtype)
-        if frames > reference.shape[0] or not torch.equal(fed, expected):
-            same = min(frames, reference.shape[0])
+        if frames > kept or not torch.equal(fed, expected):
+            same = min(frames, kept)
             bad = next((i for i in range(same) if not torch.equal(fed[i], expected[i])), same)
             raise ResumedHistoryMismatch(
-                f"request {req_id}: resumed with {frames} frames of history, {reference.shape[0]} in its slot at "
+                f"request {req_id}: resumed with {frames} frames of history, {kept} in its slot at "
                 f"preemption; they differ from frame {bad} on ({env.RESUME_CHECK}=1). The request would "
                 "continue from frames it never generated: stop the deployment and report it with this line")
         state.count("resumes_verified")
+
+
+def inflight_frames(model_state) -> int | None:
+    """How many frames a preempted request's slot may hold beyond what the scheduler counts as
+    generated: one per step scheduled but not yet settled when the scheduler preempted it; None
+    where the model state carries no ``vllm_config`` to read it from.
+
+    From the published code (vLLM 0.32.0): the engine sizes its batch queue at
+    ``max_concurrent_batches`` (``vllm/v1/engine/core.py:220``) and schedules a step only while
+    fewer batches than that are queued (``core.py:720``), so at most ``max_concurrent_batches - 1``
+    earlier steps are in flight at a preemption; the scheduler counts none of their frames until
+    their output comes back (``_preempt_request`` marks them stale,
+    ``vllm/v1/core/sched/scheduler.py:1606``), while the worker's slot already holds them when our
+    reference is read. ``max_concurrent_batches`` is ``pipeline_parallel_size + 1`` with async
+    scheduling on Model Runner V2, 2 with it on V1 at one stage, else ``pipeline_parallel_size``
+    (``vllm/config/vllm.py:577``): 1 frame at one pipeline stage with async scheduling, 0 without.
+    A fish_omni step samples one frame per request (one sample row per request,
+    ``vllm_omni/model_executor/models/fish_omni/model_state.py:363``).
+    """
+    batches = getattr(getattr(model_state, "vllm_config", None), "max_concurrent_batches", None)
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        return None
+    return batches - 1
 
 
 def _inject_fault(model_state, parked, req_index: int) -> None:
@@ -153,7 +191,7 @@ def build(original):
 
 
 def _warn_unverified(why: str) -> None:
-    warning_once(logger, "unverified", "preemption-host-copy: %s; resumed frames are not verified (%s)", why,
+    warning_once(logger, f"unverified: {why}", "preemption-host-copy: %s; resumed frames are not verified (%s)", why,
                  env.RESUME_CHECK)
 
 
@@ -177,8 +215,18 @@ def build_resume(original):
                 _warn_unverified("the model state keeps no _pending_history")
             return result  # preempted before its first frame: nothing to feed back
         state.count("resumes")
-        if reference is not None:
-            SlotReference.verify(req_id, reference, fed)
+        if reference is None:
+            return result
+        slack = inflight_frames(instance)
+        if slack is None:
+            # Without the bound the check is incomplete: the resume stays unverified in the counts.
+            _warn_unverified("the model state has no vllm_config.max_concurrent_batches to bound the reference by")
+            return result
+        # What the scheduler counts as generated: the published add_request's own rule.
+        data = bound[data_key]
+        prompt = list(getattr(data, "prompt_token_ids", None) or ())
+        generated = len(getattr(data, "prefill_token_ids", None) or prompt) - len(prompt)
+        SlotReference.verify(req_id, reference, fed, generated, slack)
         return result
 
     return function_wrapper(original, add_request)

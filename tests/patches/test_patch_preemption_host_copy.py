@@ -658,3 +658,141 @@ def test_references_of_requests_finished_or_aborted_while_parked_are_dropped_wit
     assert state._suspended == {}
     assert all(r() is None for r in refs)
     assert not [k for k in vars(state) if "drama3" in k]
+
+
+# ----------------------------------------------------------------------------------------------
+# The resume check's length rule
+# ----------------------------------------------------------------------------------------------
+
+
+def _async_config(tmp_path):
+    """The test config with async scheduling on: one pipeline stage, so two concurrent batches
+    (``VllmConfig.max_concurrent_batches``), one step in flight when the scheduler preempts."""
+    vllm_config = _vllm_config(tmp_path)
+    vllm_config.scheduler_config.async_scheduling = True
+    assert vllm_config.max_concurrent_batches == 2  # set-up, not the check
+    return vllm_config
+
+
+def _preempted_after_six(state, model):
+    """A generates 6 frames in slot 1 and is preempted: its slot held 6 frames."""
+    _admit(state, 1, _request("A", A_PROMPT))
+    a_frames = _frames(6, seed=3)
+    _generate(state, model, 1, a_frames)
+    _preempt(state, "A", 1)
+    return a_frames
+
+
+def _resume_counted_at(state, a_frames, counted: int) -> None:
+    """A resumes in slot 3 with ``counted`` generated main tokens: what the scheduler counts."""
+    _admit(state, 3, _request("A", A_PROMPT, a_frames[:counted, 0].tolist()))
+
+
+@pytest.mark.vllm
+@needs_fish_omni
+@pytest.mark.forked
+def test_the_reference_may_exceed_the_schedulers_count_by_the_frames_in_flight_and_no_more(tmp_path, monkeypatch):
+    """A's slot held 6 frames at preemption. With async scheduling at one stage (slack 1), a resume
+    the scheduler counts at 6 (exactly) or 5 (count + slack) generated frames is verified and fed
+    those frames; at 4 it raises naming 6, 4 and 1. Without async scheduling (slack 0), 5 raises."""
+    fake_npu.vllm_on_npu()
+    vllm_config = _async_config(tmp_path)
+    import vllm_omni.model_executor.models.fish_omni.model_state  # noqa: F401  (the target module)
+
+    apply_on_npu(monkeypatch, "preemption-host-copy")
+    monkeypatch.setenv("DRAMA3_PATCHES_RESUME_CHECK", "1")
+    for counted, verified in ((6, 1), (5, 2)):
+        state, model = _build(vllm_config, "npu")
+        a_frames = _preempted_after_six(state, model)
+        _resume_counted_at(state, a_frames, counted)
+        assert torch.equal(torch.from_numpy(state.prompts[3][len(A_PROMPT):]), a_frames[:counted])
+        assert _resume_counts() == {"preemptions": verified, "resumes": verified, "resumes_verified": verified}
+
+    state, model = _build(vllm_config, "npu")
+    a_frames = _preempted_after_six(state, model)
+    with pytest.raises(php.ResumedHistoryMismatch,
+                       match=r"request A: its slot held 6 frames at preemption, more than the 4 the scheduler "
+                             r"counts as generated plus 1 that async scheduling can have in flight"):
+        _resume_counted_at(state, a_frames, 4)
+    assert _resume_counts() == {"preemptions": 3, "resumes": 3, "resumes_verified": 2}
+
+    vllm_config.scheduler_config.async_scheduling = False
+    state, model = _build(vllm_config, "npu")
+    a_frames = _preempted_after_six(state, model)
+    with pytest.raises(php.ResumedHistoryMismatch, match=r"held 6 frames .* more than the 5 .* plus 0 "):
+        _resume_counted_at(state, a_frames, 5)
+    assert _resume_counts() == {"preemptions": 4, "resumes": 4, "resumes_verified": 2}
+
+
+def _fed_state_class(change: int):
+    """The published state whose ``add_request`` then changes the history queued for the resumed
+    slot by ``change`` frames (drops its last, or repeats it): a resume fed another length than
+    the scheduler counts."""
+    from vllm_omni.model_executor.models.fish_omni.model_state import FishOmniModelState
+
+    published = FishOmniModelState.__dict__["add_request"]
+
+    class OtherLengthFeed(FishOmniModelState):
+        def add_request(self, req_index, new_req_data):
+            published(self, req_index, new_req_data)
+            fed = self._pending_history.get(req_index)
+            if fed is not None:
+                self._pending_history[req_index] = fed[:change] if change < 0 else torch.cat((fed, fed[-change:]))
+
+    OtherLengthFeed.on_request_preempted = php.build(FishOmniModelState.__dict__["on_request_preempted"])
+    OtherLengthFeed.add_request = php.build_resume(OtherLengthFeed.__dict__["add_request"])
+    return OtherLengthFeed
+
+
+@pytest.mark.vllm
+@needs_fish_omni
+@pytest.mark.forked
+@pytest.mark.parametrize(("change", "fed"), [(-1, 5), (1, 7)], ids=["one-frame-too-few", "one-frame-too-many"])
+def test_a_resumed_slot_fed_another_length_than_the_scheduler_counts_fails_the_resume_check(
+        tmp_path, monkeypatch, change, fed):
+    """Fed frames must equal the scheduler's count exactly: a state that feeds A's resumed slot
+    one frame fewer (or more) than the 6 counted raises naming both numbers, though the fed
+    frames are the reference's own; the published state, checked the same way, is verified."""
+    fake_npu.vllm_on_npu()
+    vllm_config = _async_config(tmp_path)
+    monkeypatch.setenv("DRAMA3_PATCHES_RESUME_CHECK", "1")
+
+    state, model = _build(vllm_config, "npu", cls=_fed_state_class(change))
+    a_frames = _preempted_after_six(state, model)
+    with pytest.raises(php.ResumedHistoryMismatch,
+                       match=rf"request A: resumed with {fed} frames of history, but the scheduler counts 6 generated"):
+        _resume_counted_at(state, a_frames, 6)
+    assert _resume_counts() == {"preemptions": 1, "resumes": 1, "resumes_verified": 0}
+
+    apply_on_npu(monkeypatch, "preemption-host-copy")
+    state, model = _build(vllm_config, "npu")
+    a_frames = _preempted_after_six(state, model)
+    _resume_counted_at(state, a_frames, 6)
+    assert _resume_counts() == {"preemptions": 2, "resumes": 2, "resumes_verified": 1}
+
+
+@pytest.mark.vllm
+@needs_fish_omni
+@pytest.mark.forked
+def test_a_resume_whose_slack_cannot_be_read_stays_unverified(tmp_path, monkeypatch):
+    """A model state without ``vllm_config`` (no ``max_concurrent_batches`` to bound the reference
+    by): the resume is counted and left unverified, and the reason is logged; with it, verified."""
+    fake_npu.vllm_on_npu()
+    vllm_config = _async_config(tmp_path)
+    import vllm_omni.model_executor.models.fish_omni.model_state  # noqa: F401  (the target module)
+
+    apply_on_npu(monkeypatch, "preemption-host-copy")
+    monkeypatch.setenv("DRAMA3_PATCHES_RESUME_CHECK", "1")
+    state, model = _build(vllm_config, "npu")
+    a_frames = _preempted_after_six(state, model)
+    del state.vllm_config
+    warnings = []
+    monkeypatch.setattr(php.logger, "warning", lambda msg, *args: warnings.append(msg % args))
+    _resume_counted_at(state, a_frames, 6)
+    assert _resume_counts() == {"preemptions": 1, "resumes": 1, "resumes_verified": 0}
+    assert any("max_concurrent_batches" in w and "not verified" in w for w in warnings), warnings
+
+    state, model = _build(vllm_config, "npu")
+    a_frames = _preempted_after_six(state, model)
+    _resume_counted_at(state, a_frames, 6)
+    assert _resume_counts() == {"preemptions": 2, "resumes": 2, "resumes_verified": 1}
