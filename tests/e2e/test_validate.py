@@ -152,8 +152,12 @@ def test_validate_profiles_the_per_frame_time_and_reports_playout(tp2):
 
 @pytest.mark.parametrize("fault", ["parked-history", "wrong-slot"])
 def test_validate_fails_the_preemption_row_on_a_resume_fed_other_frames(model_dir, tmp_path, fault):
+    # 16 frames per clone, not 10: the clone is a fresh server's first request, and on a loaded host
+    # its 6-frame first chunk can leave stage 1 after the last one is ready (both then arrive at once,
+    # and row b rightly cannot call that streamed); ten frames more give the stream room to show it.
     done, report, checks = _run(model_dir, tmp_path / fault, tp=2, fault=fault,
-                                extra=["--clones", "1", "--bench-requests", "1", "--no-profile"])
+                                extra=["--clones", "1", "--clone-frames", "16", "--bench-requests", "1",
+                                       "--no-profile"])
     assert done.returncode == 1 and not report["passed"]
     assert checks["a"]["passed"] and checks["b"]["passed"], checks
     assert not checks["c"]["passed"], checks["c"]

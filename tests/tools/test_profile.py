@@ -357,6 +357,56 @@ def test_the_reader_is_bounded_and_knows_an_unfinished_file(tmp_path, monkeypatc
         profile.load_events(plain)
 
 
+def _broken(tmp_path, name, mend_only: bool) -> tuple[Path, int]:
+    """A trace of 3 steps as torch 2.13's exporter can write it: one record's name holding raw
+    quotes (invalid JSON); with ``mend_only=False`` also one record without a colon (beyond
+    mending). Returns the path and how many records the clean trace keeps."""
+    tr = Trace()
+    _steps(tr, n=3, t=0.0)
+    tr.op("aten::QUOTEDQ", 50.0, 1.0)  # CPU ops the reader keeps, so what becomes of each is seen
+    tr.op("aten::BROKEN", 60.0, 1.0)
+    clean = profile.load_events(tr.write(tmp_path / "clean.pt.trace.json", gz=False))
+    text = (tmp_path / "clean.pt.trace.json").read_text().replace("QUOTEDQ", '"pending"')
+    if not mend_only:
+        text = text.replace('"name": "aten::BROKEN"', '"name" "aten::BROKEN"')
+    path = tmp_path / f"{name}.pt.trace.json"
+    path.write_text(text)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)  # the input really is what the exporter's bug makes: not JSON
+    return path, len(clean)
+
+
+@pytest.mark.parametrize("chunk", [None, 1000])
+def test_a_record_with_raw_quotes_in_its_name_is_mended_and_counted(tmp_path, monkeypatch, chunk):
+    """A Python function named with quotes made validate's rehearsal give up on a complete trace
+    ("ends inside its traceEvents list"). The record is mended (its quotes escaped), counted,
+    and the table is read whole; ``chunk``: small pieces, so the bad record is met mid-stream."""
+    path, n_clean = _broken(tmp_path, "mended", mend_only=True)
+    if chunk:
+        monkeypatch.setattr(profile, "_CHUNK", chunk)
+        monkeypatch.setattr(profile, "MAX_RECORD", 2 * chunk)
+    kept = profile.load_events(path)
+    assert (kept.repaired, kept.dropped, len(kept)) == (1, 0, n_clean)
+    assert any(e.name == 'aten::"pending"' for e in kept)
+    ft = profile.read(path, events=kept)
+    assert ft["records_repaired"] == 1 and ft["records_dropped"] == 0 and ft["problems"] == [] and ft["steps"] == 2
+
+
+def test_a_record_beyond_mending_is_left_out_and_named_as_a_problem(tmp_path):
+    path, n_clean = _broken(tmp_path, "dropped", mend_only=False)
+    kept = profile.load_events(path)
+    assert (kept.repaired, kept.dropped, len(kept)) == (1, 1, n_clean - 1)
+    assert not any("BROKEN" in e.name for e in kept) and any(e.name == 'aten::"pending"' for e in kept)
+    ft = profile.read(path, events=kept)
+    assert ft["records_dropped"] == 1
+    assert ft["problems"] == ["1 record(s) of the trace did not parse and were left out"]
+    # the negative control: the same file cut inside a record is still an unfinished trace
+    cut = tmp_path / "cut.pt.trace.json"
+    cut.write_text(path.read_text()[: len(path.read_text()) * 2 // 3])
+    with pytest.raises(ValueError, match="ends inside its traceEvents"):
+        profile.load_events(cut)
+
+
 def test_rank_zeros_newest_trace_is_read(tmp_path):
     old = Trace().write(tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json.gz")
     os.utime(old, (time.time() - 100, time.time() - 100))

@@ -220,6 +220,38 @@ FIRST_LAYER = re.compile(r"^nn\.Module: TowerLayer_0$")  # once per step: the st
 MUST_RUN = ("backbone", "tower", "sampler")  # at stage 0, in every decode step
 _KEPT_PYTHON = (FORWARD, FUNCTION, BACKBONE, TOWER, SAMPLER, SAMPLE_TOKENS)
 _CHUNK = 4 * MIB
+# A record longer than this that still does not parse is malformed, not cut by a chunk's end.
+MAX_RECORD = 1 * MIB
+# Where a record may end: its closing brace before the next record or the list's end.
+_RECORD_END = re.compile(r"\}(?=\s*(?:,\s*\{|\]))")
+# A one-line string member, as torch's exporter writes them (``"name": "...",``).
+_STRING_LINE = re.compile(r'^(\s*"[^"\n]*":\s*")(.*)("\s*,?[ \t]*)$', re.M)
+_TRIES = 8  # record ends tried per malformed record
+
+
+class Events(list):
+    """The kept records of a trace, and how many records were mended or left out: torch's Chrome
+    trace exporter writes a name as it is, so a Python function whose name holds a quote (seen:
+    ``_cupti_monitor.py(0): "pending"``, torch 2.13 on CPU) makes the file invalid JSON."""
+
+    repaired = 0
+    dropped = 0
+
+
+def _mend(text: str):
+    """The record ``text`` parsed once each one-line string member's stray quotes and backslashes
+    are escaped, or None."""
+    def escape(m):
+        value = m.group(2)
+        try:
+            json.loads(f'"{value}"')
+            return m.group(0)
+        except json.JSONDecodeError:
+            return m.group(1) + json.dumps(value)[1:-1] + m.group(3)
+    try:
+        return json.loads(_STRING_LINE.sub(escape, text))
+    except json.JSONDecodeError:
+        return None
 
 
 class _Ev:
@@ -269,14 +301,16 @@ def _keep(e) -> _Ev | None:
     return _Ev(name, cat, ts, dur, (e.get("pid"), e.get("tid")))
 
 
-def load_events(path: Path) -> list[_Ev]:
+def load_events(path: Path) -> Events:
     """The events :func:`attribute` reads, parsed one at a time from a bounded read and a bounded,
-    incremental decompression (a trace of a few steps on a CPU host is hundreds of MB of JSON)."""
+    incremental decompression (a trace of a few steps on a CPU host is hundreds of MB of JSON).
+    A record that does not parse although the text goes on past it is mended where a string
+    member's quotes are the fault (counted in ``repaired``), else left out (``dropped``)."""
     raw, _ = read_regular(str(path), MAX_TRACE_BYTES, "profiler trace")
     dec = zlib.decompressobj(16 + zlib.MAX_WBITS) if path.name.endswith(".gz") else None
     text = codecs.getincrementaldecoder("utf-8")()
     decoder = json.JSONDecoder()
-    out: list[_Ev] = []
+    out = Events()
     buf, pos, fed, total, started = "", 0, 0, 0, False
 
     def more() -> bool:
@@ -315,9 +349,18 @@ def load_events(path: Path) -> list[_Ev]:
         try:
             obj, end = decoder.raw_decode(buf, pos)
         except json.JSONDecodeError:
-            if more():
+            if len(buf) - pos <= MAX_RECORD and more():
+                continue  # most likely a record cut by the chunk's end: read on
+            ends = [m.end() for _, m in zip(range(_TRIES), _RECORD_END.finditer(buf, pos, pos + MAX_RECORD))]
+            if not ends:
+                break  # the text ends inside a record: an unfinished file
+            mended = next(((o, e) for o, e in ((_mend(buf[pos:e]), e) for e in ends) if o is not None), None)
+            if mended is None:
+                out.dropped += 1
+                pos = ends[0]
                 continue
-            break
+            out.repaired += 1
+            obj, end = mended
         pos = end
         ev = _keep(obj)
         if ev is not None:
@@ -625,8 +668,12 @@ def attribute(evs: list[_Ev], *, limit: int | None = None) -> dict:
 
 def read(path: Path, *, limit: int | None = None, events: list | None = None) -> dict:
     """The per-frame table of one saved trace (``frame-time`` and validate's window alike)."""
-    out = attribute(load_events(path) if events is None else events, limit=limit)
-    return out | {"rank": rank_of(path), "trace": str(path)}
+    events = load_events(path) if events is None else events
+    out = attribute(events, limit=limit)
+    repaired, dropped = getattr(events, "repaired", 0), getattr(events, "dropped", 0)
+    if dropped:  # a left-out record may have been any component's: the figures cannot be vouched for
+        out["problems"] = [*out["problems"], f"{dropped} record(s) of the trace did not parse and were left out"]
+    return out | {"rank": rank_of(path), "trace": str(path), "records_repaired": repaired, "records_dropped": dropped}
 
 
 def _top_ops(evs: list[_Ev], steps, total_ms: float) -> list[dict]:
