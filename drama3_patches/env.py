@@ -23,6 +23,8 @@ TP_CHECK = "DRAMA3_PATCHES_TP_CHECK"
 RESUME_CHECK = "DRAMA3_PATCHES_RESUME_CHECK"
 # On by default: set off, the eager kernels skip torch-npu's fused norms (drama3_patches.kernels.npu_fused).
 NPU_FUSED = "DRAMA3_PATCHES_NPU_FUSED"
+# native | cpu: which route fp8-expert-method gives block-FP8 experts (default: by feature).
+FP8_ROUTE = "DRAMA3_PATCHES_FP8_ROUTE"
 # Test-only fault injection: a runtime check that never saw its fault cannot be trusted to pass.
 FAULT = "DRAMA3_PATCHES_FAULT"
 FAULTS = ("parked-history", "wrong-slot", "tp-drift")

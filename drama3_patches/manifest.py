@@ -6,6 +6,7 @@ the field, so an operator who edits module names for their build can fix it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
@@ -16,7 +17,8 @@ from drama3_patches.reader import read_manifest_text
 
 IMPLEMENTATION_PREFIX = "drama3_patches.patches."
 TEXT_FIELDS = ("summary", "why", "how", "upstream", "remove_when")
-KNOWN_FIELDS = {"id", "targets", "requires", "platforms", "implementation", *TEXT_FIELDS}
+KNOWN_FIELDS = {"id", "targets", "requires", "platforms", "implementation", "reviewed_source", *TEXT_FIELDS}
+_FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
 
 
 class ManifestError(ValueError):
@@ -47,6 +49,8 @@ class PatchSpec:
     upstream: str
     remove_when: str
     specifiers: dict = field(default_factory=dict, compare=False, repr=False)
+    # target spec -> {version of the target's distribution: fingerprint} (drama3_patches/tools/fingerprint.py)
+    reviewed_source: dict = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def modules(self) -> tuple[str, ...]:
@@ -145,6 +149,17 @@ def _entry(raw: dict, index: int, path: Path) -> PatchSpec:
     if not impl_func.isidentifier():
         raise fail("implementation", f"{impl_func!r} is not a function name")
 
+    reviewed = raw.get("reviewed_source", {}) or {}
+    if not isinstance(reviewed, dict):
+        raise fail("reviewed_source", "must map targets to {version: fingerprint}")
+    known = {t.spec for t in targets}
+    for spec, versions in reviewed.items():
+        if spec not in known:
+            raise fail("reviewed_source", f"{spec!r} is not one of this patch's targets")
+        if not isinstance(versions, dict) or not versions or not all(
+                isinstance(v, str) and isinstance(h, str) and _FINGERPRINT.match(h) for v, h in versions.items()):
+            raise fail("reviewed_source", f"{spec}: must map version strings to 16 hex digits")
+
     texts = {}
     for fld in TEXT_FIELDS:
         value = raw.get(fld)
@@ -159,6 +174,7 @@ def _entry(raw: dict, index: int, path: Path) -> PatchSpec:
         platforms=tuple(platforms),
         implementation=impl,
         specifiers=specifiers,
+        reviewed_source={spec: dict(v) for spec, v in reviewed.items()},
         **texts,
     )
 

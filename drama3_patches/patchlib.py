@@ -69,6 +69,7 @@ class PatchContext:
     _resolve: Callable[[str], Any] = field(repr=False, default=None)  # type: ignore[assignment]
     _owner: Callable[[str], tuple] = field(repr=False, default=None)  # type: ignore[assignment]
     left: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def original(self, target: str) -> Any:
         """The object now bound at ``target``, as stored.
@@ -90,6 +91,10 @@ class PatchContext:
     def leave(self, target: str, reason: str) -> None:
         """Say why ``target`` is left as it is (reported as ``not-needed``)."""
         self.left[target] = reason
+
+    def note(self, target: str, text: str) -> None:
+        """One line ``status`` adds to ``target``'s reason once it is applied ("patched: text")."""
+        self.notes[target] = " ".join(str(text).split())
 
     def callables(self, kind: str = "function"):
         """``(target, original)`` for each target that is callable; any other is left not-needed

@@ -24,6 +24,7 @@ from drama3_patches.engine.state import (
     APPLIED,
     FAILED,
     NOT_NEEDED,
+    PATCHED_NOTE,
     PENDING,
     SKIPPED,
     PatchRecord,
@@ -56,6 +57,7 @@ class Engine:
         self._platform: str | None = None
         self._import_errors: dict[str, str] = {}  # module -> why `import_targets` could not import it
         self._triggers_synced = False
+        self._range_told = False  # the out-of-range warning (once per process, at the first target import)
 
     # -- lazily built state ------------------------------------------------
     @property
@@ -122,6 +124,9 @@ class Engine:
         """Called by the import trigger after ``module_name`` executed (import or reload)."""
         if not self._triggers_synced:
             self._sync_triggers()
+        if not self._range_told:
+            self._range_told = True
+            self._tell_out_of_range()
         for rec in self.records.values():
             if module_name not in rec.spec.modules:
                 continue
@@ -132,6 +137,22 @@ class Engine:
                     if tr.target.module == module_name and tr.state not in (APPLIED, FAILED):
                         tr.state, tr.reason = PENDING, "target module re-executed"
             self._evaluate(rec, executed=module_name)
+
+    def _tell_out_of_range(self) -> None:
+        """On a vLLM or vLLM-Omni outside every patch's reviewed range, say so once: otherwise the
+        deployment fails further on (e.g. tensor parallel refused) with nothing saying why."""
+        from drama3_patches import reviewed
+        from drama3_patches.versions import installed_version
+
+        try:
+            said = reviewed.verdict(self.manifest)
+        except Exception as exc:  # a warning is never worth the host's import
+            logger.debug("drama3-patches: reviewed-range check failed: %s", exc)
+            return
+        if said:
+            versions = ", ".join(f"{d} {installed_version(d) or 'not installed'}" for d in reviewed.WATCHED)
+            env.warn_once("out-of-range", f"{said} (installed: {versions}); run `drama3-patches doctor` "
+                                          "for what to do")
 
     def _sync_triggers(self) -> None:
         """At the first trigger: trigger every module the manifest names now.
@@ -335,6 +356,8 @@ class Engine:
                 tr.state = NOT_NEEDED
                 tr.reason = ctx.left.get(t, "the patch found nothing to change here")
         for tr in done:
+            if ctx.notes.get(tr.target.spec):
+                tr.reason = f"{PATCHED_NOTE}{ctx.notes[tr.target.spec]}"
             self._installer.rebind_aliases(tr)
             logger.info("drama3-patches: %s applied to %s", spec.id, tr.target.spec)
 

@@ -27,6 +27,8 @@ PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED = "pending", "applied", "skipped",
 STATES = (PENDING, APPLIED, SKIPPED, NOT_NEEDED, FAILED)
 # Reason prefix of a target that failed only because another target of its patch is missing.
 ALONGSIDE = "not applied:"
+# Reason prefix of an applied target whose plan said how it serves (PatchContext.note).
+PATCHED_NOTE = "patched: "
 # Distributions every status names, besides those the manifest requires.
 REPORTED_DISTS = ("vllm", "vllm-ascend", "vllm-omni", "torch")
 
@@ -99,7 +101,8 @@ def settle(rec: PatchRecord) -> None:
         rec.state, rec.reason = FAILED, f"{first[FAILED].target.spec}: {first[FAILED].reason}"
     elif APPLIED in first:
         rec.state = APPLIED
-        rec.reason = "patched" if not pending else f"patched; waiting for {', '.join(pending)}"
+        noted = next((t.reason for t in trs if t.state == APPLIED and t.reason.startswith(PATCHED_NOTE)), "patched")
+        rec.reason = noted if not pending else f"{noted}; waiting for {', '.join(pending)}"
     elif SKIPPED in first:
         rec.state, rec.reason = SKIPPED, first[SKIPPED].reason
     elif NOT_NEEDED in first and not pending:

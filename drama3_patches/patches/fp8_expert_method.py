@@ -4,23 +4,31 @@ Record: ``patches_manifest.yaml``, id ``fp8-expert-method`` (why, how, upstream 
 remove-when; ``drama3-patches list --verbose`` prints it). Below: only what reading this code
 needs.
 
-Layout: ``plan`` wraps ``ExpertFp8Config.get_quant_method`` with ``build``; the wrapper answers
-routed-expert layers (``is_routed_experts``) with ``_ascend_fp8_moe_method`` where
-``has_mxfp8``, else with a class made by ``expanded_method_class`` on vLLM-Ascend's bf16 method.
-That class loads through ``_into_host`` (the checkpoint's fp8 data lands in host buffers kept
-under ``_HOST_ATTR`` on the layer) and ``expand_layer`` writes the bf16 device weights with
-``drama3_patches.kernels.fp8``; ``_finish_like_base`` then runs the part of the base method's
-post-processing that follows its transposes. Extra keywords (``tid2eid``) go through
-``patchlib.call_accepting``.
+Layout: ``plan`` picks the route once (``choose_route``: ``DRAMA3_PATCHES_FP8_ROUTE``, else by
+feature: where vLLM-Ascend keeps ``AscendFp8Config`` (``CONFIG_MODULES``, newest layout first) and
+whether a block-FP8 MoE scheme is registered beside it, or the card has MXFP8), names it in
+``status`` and wraps ``ExpertFp8Config.get_quant_method`` with ``build``. The wrapper answers
+routed-expert layers (``is_routed_experts``) on the native route with ``_ascend_fp8_moe_method``
+(vLLM-Ascend's own method; CPU expansion where it refuses), else with a class made by
+``expanded_method_class`` on vLLM-Ascend's bf16 method. That class loads through ``_into_host``
+(the checkpoint's fp8 data lands in host buffers kept under ``_HOST_ATTR`` on the layer) and
+``expand_layer`` writes the bf16 device weights with ``drama3_patches.kernels.fp8``;
+``_finish_like_base`` then runs the part of the base method's post-processing that follows its
+transposes. Extra keywords (``tid2eid``) go through ``patchlib.call_accepting``. The load peaks of
+both routes are modelled by ``drama3-patches plan`` (``drama3_patches.tools.plan.fp8_routes``).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from drama3_patches import env
 from drama3_patches.kernels.fp8 import dequant_experts, expected_scale_shape
 from drama3_patches.logger import init_logger
 from drama3_patches.patchlib import NotNeeded, PatchContext, call_accepting, wrap
@@ -55,12 +63,100 @@ def has_mxfp8() -> bool:
     return getattr(get_ascend_device_type(), "name", "") == "A5"
 
 
-def _ascend_fp8_moe_method(config, layer, prefix: str, *args, **kwargs):
-    """vLLM-Ascend's own FP8 MoE method, or None where this vLLM-Ascend has none."""
+NATIVE, CPU = "native", "cpu"
+# Where vLLM-Ascend keeps AscendFp8Config, newest layout first: 0.30.0rc2 has it under
+# quantization/configs/, public main of 2026-08-22 directly under quantization/.
+CONFIG_MODULES = ("vllm_ascend.quantization.configs.fp8_config", "vllm_ascend.quantization.fp8_config")
+# The scheme table AscendFp8Config looks its block-FP8 MoE method up in (0.30.0rc2), and the key.
+SCHEME_REGISTRY = "vllm_ascend.quantization.methods.registry"
+SCHEME_KEY = ("fp8", "moe")
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the routed experts are served: ``name`` native (vLLM-Ascend's own method) or cpu
+    (expanded to bf16 on the host); ``why`` is the line ``status`` shows."""
+
+    name: str
+    why: str
+    config: Any = None  # AscendFp8Config, where one was found
+    config_module: str | None = None
+    missing: tuple = field(default=())  # "module: cause" of each known path that did not import
+
+    def summary(self) -> str:
+        line = f"route {self.name}: {self.why}"
+        if self.missing:
+            line += "; not imported: " + "; ".join(self.missing)
+        return line
+
+
+def _absent(exc: ImportError, path: str) -> bool:
+    """The module (or a package above it) does not exist: another release's layout, not a fault."""
+    name = getattr(exc, "name", None) or ""
+    return isinstance(exc, ModuleNotFoundError) and bool(name) and (path == name or path.startswith(name + "."))
+
+
+def find_config() -> tuple[Any, str | None, list[str]]:
+    """(AscendFp8Config, its module, what each earlier known path gave instead)."""
+    missing = []
+    for path in CONFIG_MODULES:
+        try:
+            module = importlib.import_module(path)
+        except ImportError as exc:
+            if _absent(exc, path):
+                missing.append(f"{path}: absent")
+            else:  # the module is there but its import broke: never a quiet fallback
+                missing.append(f"{path}: {type(exc).__name__}: {exc}")
+                logger.warning("fp8-expert-method: %s is in this vLLM-Ascend but does not import (%s: %s)",
+                               path, type(exc).__name__, exc)
+            continue
+        config = getattr(module, "AscendFp8Config", None)
+        if config is None:
+            missing.append(f"{path}: no AscendFp8Config")
+            continue
+        return config, path, missing
+    return None, None, missing
+
+
+def block_fp8_moe_scheme() -> type | None:
+    """vLLM-Ascend's registered block-FP8 MoE scheme (AscendFp8BlockFusedMoEMethod in 0.30.0rc2)."""
     try:
-        from vllm_ascend.quantization.fp8_config import AscendFp8Config
+        registry = importlib.import_module(SCHEME_REGISTRY)
     except ImportError:
         return None
+    lookup = getattr(registry, "get_scheme_class", None)
+    return lookup(*SCHEME_KEY) if callable(lookup) else None
+
+
+def choose_route() -> Route:
+    """The route for this process: DRAMA3_PATCHES_FP8_ROUTE when set, else native where vLLM-Ascend
+    serves block-FP8 experts itself (a registered block-FP8 MoE scheme, or MXFP8 on the card)."""
+    asked = os.environ.get(env.FP8_ROUTE, "").strip().lower()
+    if asked not in ("", NATIVE, CPU):
+        logger.warning("fp8-expert-method: %s=%r is neither %s nor %s; choosing by feature",
+                       env.FP8_ROUTE, asked, NATIVE, CPU)
+        asked = ""
+    config, path, missing = find_config()
+    kw = {"config": config, "config_module": path, "missing": tuple(missing)}
+    if asked == CPU:
+        return Route(CPU, f"{env.FP8_ROUTE}=cpu", **kw)
+    if config is None:
+        if asked == NATIVE:
+            logger.warning("fp8-expert-method: %s=native, but this vLLM-Ascend has no AscendFp8Config; "
+                           "expanding the experts on the CPU", env.FP8_ROUTE)
+        return Route(CPU, "no AscendFp8Config in this vLLM-Ascend", **kw)
+    scheme = block_fp8_moe_scheme()
+    by = f" ({env.FP8_ROUTE}=native)" if asked == NATIVE else ""
+    if scheme is not None:
+        return Route(NATIVE, f"{path}.AscendFp8Config -> {scheme.__name__}{by}", **kw)
+    if has_mxfp8() or asked == NATIVE:
+        return Route(NATIVE, f"{path}.AscendFp8Config asked for each layer{by} (CPU expansion where it "
+                     "refuses)", **kw)
+    return Route(CPU, f"{path}.AscendFp8Config has no block-FP8 MoE scheme and the card has no MXFP8", **kw)
+
+
+def _ascend_fp8_moe_method(AscendFp8Config, config, layer, prefix: str, *args, **kwargs):
+    """vLLM-Ascend's own FP8 MoE method, or None where it refuses this layer."""
     ascend = AscendFp8Config(
         is_checkpoint_fp8_serialized=True,
         activation_scheme=config.activation_scheme,
@@ -225,13 +321,15 @@ def _ascend_bf16_method_class() -> type:
     return AscendUnquantizedFusedMoEMethod
 
 
-def build(original):
+def build(original, route: Route | None = None):
+    route = route or choose_route()
+
     @wrap(original)
     def get_quant_method(self, layer, prefix, *args, **kwargs):
         if not is_routed_experts(layer):
             return call_accepting(original, self, layer, prefix, *args, **kwargs)
-        if has_mxfp8():
-            method = _ascend_fp8_moe_method(self, layer, prefix, *args, **kwargs)
+        if route.name == NATIVE:
+            method = _ascend_fp8_moe_method(route.config, self, layer, prefix, *args, **kwargs)
             if method is not None:
                 return method
         cls = expanded_method_class(_ascend_bf16_method_class())
@@ -250,5 +348,8 @@ def plan(ctx: PatchContext) -> dict:
             source = ""
         if "vllm_ascend" in source or "AscendFp8Config" in source:
             raise NotNeeded(f"{target} already selects a vLLM-Ascend method")
-        replacements[target] = build(original)
+        route = choose_route()
+        logger.info("fp8-expert-method: %s", route.summary())
+        ctx.note(target, route.summary())
+        replacements[target] = build(original, route)
     return replacements

@@ -8,7 +8,8 @@ Layout: ``carried`` picks the variables (prefix ``DRAMA3_``, minus vLLM's non-ca
 and the caller's exclusions); ``build_runtime_env`` adds them to the actor's ``runtime_env``
 (what Ray sets before the actor's interpreter starts, so the ``.pth`` line sees them);
 ``build_names`` adds their names to vLLM's copy list (Ray data parallel's engine-core
-``runtime_env``, the V1 executor's after-start copy). Feature detection: ``needs_*``.
+``runtime_env``, the V1 executor's after-start copy where vLLM still has it: 0.32; 0.33 removed
+it). Feature detection: ``needs_*``, ``v1_ray_executor_present``.
 
 The operator's runtime_env wins: a name it sets is never carried. That is a name in the
 ``runtime_env`` handed in (V2 starts from a copy of ``parallel_config.ray_runtime_env``) or in
@@ -32,6 +33,21 @@ logger = init_logger(__name__)
 PREFIX = "DRAMA3_"
 RUNTIME_ENV = "vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import"
 COPY_LIST = "vllm.ray.ray_env:get_env_vars_to_copy"
+# The V1 Ray executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0), whose after-start copy reads the copy
+# list; vLLM 0.33 removed it, leaving Ray data parallel's engine cores the list's only reader.
+V1_RAY_EXECUTOR = "vllm.v1.executor.ray_executor"
+
+
+def v1_ray_executor_present() -> bool:
+    """Whether this vLLM still has the V1 Ray executor (found by its module, not by version)."""
+    import importlib.util
+
+    if V1_RAY_EXECUTOR in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(V1_RAY_EXECUTOR) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def non_carry_over() -> set:
@@ -127,6 +143,9 @@ def plan(ctx: PatchContext) -> dict:
                 ctx.leave(target, "vLLM's default prefixes already copy DRAMA3_*")
                 continue
             out[target] = build_names(original)
+            if not v1_ray_executor_present():
+                ctx.note(target, f"V1 route not needed: no V1 Ray executor ({V1_RAY_EXECUTOR}; removed in "
+                                 "vLLM 0.33): the copy list serves Ray data-parallel engine cores only")
         else:
             ctx.leave(target, "not a target this patch knows")
     return out

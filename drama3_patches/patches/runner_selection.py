@@ -6,7 +6,8 @@ needs.
 
 Layout: one builder per target in ``_BUILDERS`` (``_deploy_loader``, ``_ar_init``,
 ``_generation_init``, ``_ar_init_device``). The loader is probed by ``_refuses_v2_on_npu`` and
-merges the ``npu`` section under ``NPU_ALIAS``. The V2 runner class comes from
+merges the ``npu`` section under ``NPU_ALIAS``. ``model_runner_v1_removed`` (the absence of
+``MODEL_RUNNER_V1``) switches ``plan`` to its V2-only shape (``NO_V1``). The V2 runner class comes from
 ``shipped_npu_v2_ar_runner`` (one the installed vLLM-Omni ships) or ``npu_omni_ar_runner_class``
 (``_npu_omni_ar_runner``, imported only then: it pulls in both V2 runners), and is built inside
 vLLM-Ascend's ``torch_cuda_wrapper()`` (``_built_under_cuda_wrapper``).
@@ -18,6 +19,7 @@ import dataclasses
 import functools
 import importlib
 import pkgutil
+import sys
 
 from drama3_patches.logger import init_logger
 from drama3_patches.patchlib import PatchContext, wrap
@@ -34,6 +36,10 @@ OMNI_V2_AR_RUNNER = "vllm_omni.worker_v2.omni_ar_model_runner:OmniARModelRunner"
 CUDA_WRAPPER = "vllm_ascend.worker.v2.utils:torch_cuda_wrapper"
 # Where a vLLM-Omni release would put an NPU V2 runner of its own.
 SHIPPED_RUNNER_PACKAGES = ("vllm_omni.platforms.npu.worker", "vllm_omni.platforms.npu.worker_v2")
+
+# vLLM's Model Runner V1; vLLM 0.34 removed it (and VllmConfig.use_v2_model_runner with it).
+MODEL_RUNNER_V1 = "vllm.v1.worker.gpu_model_runner"
+NO_V1 = f"vLLM has no Model Runner V1 ({MODEL_RUNNER_V1}; removed in vLLM 0.34): every stage runs on V2"
 
 # The name the npu section is merged under: any name outside the loader's {"npu", "xpu"} refusal.
 NPU_ALIAS = "npu (drama3-patches: model runner v2 allowed)"
@@ -100,12 +106,24 @@ def _vllm_config_arg(args, kwargs):
     return kwargs["vllm_config"] if "vllm_config" in kwargs else (args[0] if args else None)
 
 
-def _ar_init(ctx: PatchContext, original):
+def model_runner_v1_removed() -> bool:
+    """Whether this vLLM lacks Model Runner V1 (found by its module, not by version)."""
+    import importlib.util
+
+    if MODEL_RUNNER_V1 in sys.modules:
+        return False
+    try:
+        return importlib.util.find_spec(MODEL_RUNNER_V1) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _ar_init(ctx: PatchContext, original, v1_removed: bool = False):
     @wrap(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        # The parent set the process-wide choice; the stage's own choice wins.
-        self.use_v2_model_runner = stage_wants_v2(self.vllm_config.model_config)
+        # The parent set the process-wide choice; the stage's own choice wins (V2 where V1 is gone).
+        self.use_v2_model_runner = True if v1_removed else stage_wants_v2(self.vllm_config.model_config)
 
     return __init__
 
@@ -216,8 +234,17 @@ _BUILDERS = {
 
 def plan(ctx: PatchContext) -> dict:
     out = {}
+    v1_removed = model_runner_v1_removed()
     for target in ctx.targets:
         original = ctx.original(target)
+        if v1_removed and target == GENERATION_INIT:
+            # Stage 1 (the DAC) must run on V2 there: refusing V2 would block it.
+            ctx.leave(target, f"{NO_V1}; nothing to refuse")
+            continue
+        if v1_removed and target == AR_INIT:
+            out[target] = _ar_init(ctx, original, v1_removed=True)
+            ctx.note(target, NO_V1)
+            continue
         if target == DEPLOY_LOADER:
             if not _refuses_v2_on_npu(original, ctx.owner(target)[0]):
                 ctx.leave(target, "the deploy loader already accepts model_runner v2 on npu")

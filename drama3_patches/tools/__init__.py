@@ -21,7 +21,7 @@ import sys
 import traceback
 
 COMMANDS = ("status", "list", "deploy_config", "plan", "doctor", "bench", "tiny_model", "validate", "frame_time",
-            "overlay")
+            "overlay", "drift")
 
 
 def build_parser() -> argparse.ArgumentParser:

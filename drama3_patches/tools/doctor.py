@@ -183,6 +183,22 @@ def check_versions(manifest, installed, provider=None) -> list[Check]:
     return checks
 
 
+def check_reviewed(manifest, installed) -> list[Check]:
+    """Whether the installed vLLM / vLLM-Omni lie inside some patch's reviewed range: outside every
+    one, every patch steps aside and the deployment fails further on with nothing saying why."""
+    from drama3_patches import reviewed
+    from drama3_patches.tools import pairings as pt
+
+    said = reviewed.verdict(manifest, installed)
+    if said is None:
+        return []
+    last = pt.PAIRINGS[-1]
+    fix = (f"install a reviewed pair ({_install('vllm', f'=={last.vllm}')} and "
+           f"{_install('vllm-omni', f'=={last.vllm_omni}')}), or a drama3-patches release reviewed for "
+           "the installed versions")
+    return [Check("reviewed range", False, said, fix)]
+
+
 def _pairs_text() -> str:
     from drama3_patches.tools.pairings import PAIRINGS
 
@@ -360,6 +376,7 @@ def run_checks(env=None, dirs=None, entry_points=None, installed=None, npu=None,
         except ManifestError as exc:
             checks.append(Check("manifest", False, str(exc), REINSTALL))
     if manifest is not None:
+        checks += check_reviewed(manifest, installed)
         checks += check_versions(manifest, installed, provider)
     probe = probe_npu() if npu is None else npu
     checks += check_pairings(installed)
@@ -386,6 +403,7 @@ def patch_status(timeout: float = 300.0) -> dict:
 
 def patch_lines(status: dict) -> list[str]:
     """What the engine would do with each patch on an NPU with these versions."""
+    from drama3_patches.tools.fingerprint import change_note
     from drama3_patches.tools.report import table
 
     head = "patches on npu with these versions (the engine's guards, DRAMA3_PATCHES=1):"
@@ -394,7 +412,12 @@ def patch_lines(status: dict) -> list[str]:
     said = {"pending": "applies", "applied": "applies"}
     rows = [[p["id"], said.get(p["state"], p["state"]), p["reason"]] for p in status.get("patches", [])]
     applies = sum(1 for r in rows if r[1] == "applies")
-    return [head, table(rows, indent="  "), f"  {applies} of {len(rows)} would apply"]
+    lines = [head, table(rows, indent="  "), f"  {applies} of {len(rows)} would apply"]
+    for p in status.get("patches", []):
+        for change in p.get("changed_since_review", []):
+            lines.append(f"  {p['id']}: {change['target']}: {change_note(change)}: review the patch on this "
+                         "version (drama3-patches drift shows what moved)")
+    return lines
 
 
 def report(checks: list[Check], out, patches: dict | None = None) -> int:

@@ -28,6 +28,13 @@ PAIRINGS = (
     Pairing("0.32.0", "0.32.0rc1", "2.13.0", "0.32", "2.13.0"),
 )
 
+# The newest vLLM releases, for the drift lane only (`nox -s drift`): no vLLM-Omni imports beside
+# them, so they are no test session and no pairing doctor offers. torch: what each wheel pins.
+DRIFT = (
+    ("0.33.0", "2.14.0"),
+    ("0.34.0", "2.14.0"),
+)
+
 # vLLM-Omni releases that import beside no vLLM of the table, and why.
 UNPAIRED_OMNI = {
     "0.30.0": "imports beside neither vLLM 0.31 nor 0.32 (RoutedExpertsLists is missing from vllm.v1.outputs)",
@@ -71,9 +78,16 @@ def nox_pairs() -> list[tuple[str, str]]:
     return [(p.vllm, p.vllm_omni) for p in PAIRINGS]
 
 
-def nox_torch() -> str:
-    """The one torch every tested vLLM pins (the sessions install it first)."""
-    pins = {p.torch for p in PAIRINGS}
-    if len(pins) != 1:
-        raise ValueError(f"the pairings pin more than one torch: {sorted(pins)}")
-    return pins.pop()
+def nox_torch(vllm: str) -> str:
+    """The torch the row of ``vllm`` pins (a test pairing's or a drift row's): each session installs
+    its own, so the rows may pin different ones."""
+    rows = [(p.vllm, p.torch) for p in PAIRINGS] + list(DRIFT)
+    for version, torch in rows:
+        if version == vllm:
+            return torch
+    raise ValueError(f"vLLM {vllm} is in no row of the pairings table (drama3_patches/tools/pairings.py)")
+
+
+def drift_rows() -> list[tuple[str, str]]:
+    """(vllm, torch) of each `nox -s drift` session, newest last."""
+    return sorted(DRIFT, key=lambda row: release(row[0]))

@@ -77,14 +77,19 @@ def render_status(data: dict) -> str:
         f"installed: {versions}",
         "",
     ]
+    from drama3_patches.tools.fingerprint import change_note
+
     rows = []
     for p in data["patches"]:
         rows.append([p["id"], p["state"], _guard(p), p["reason"]])
+        changed = {c["target"]: c for c in p.get("changed_since_review", [])}
         for target in p["targets"]:
             ts = p.get("target_states", {}).get(target, {})
             note = ts.get("state", "")
             if ts.get("aliases"):
                 note += f" (also rebound: {', '.join(ts['aliases'])})"
+            if target in changed:
+                note = "; ".join(filter(None, [note, change_note(changed[target])]))
             rows.append(["", "", "  " + target, note])
     return "\n".join(head) + table(rows, ["PATCH", "STATE", "GUARD / TARGETS", "REASON"])
 

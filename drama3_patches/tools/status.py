@@ -65,6 +65,22 @@ def _collect(args) -> int:
     return 1 if failed else 0
 
 
+def _mark_review_changes(data: dict) -> None:
+    """Each applying patch whose target's installed source differs from the reviewed fingerprints
+    gets ``changed_since_review`` (the targets; unchanged targets say nothing). Never fails status:
+    a manifest or source that cannot be read marks nothing."""
+    from drama3_patches.manifest import ManifestError, load_manifest
+    from drama3_patches.tools.fingerprint import review_changes
+
+    try:
+        changes = review_changes(load_manifest(), data)
+    except (ManifestError, OSError, SyntaxError, ValueError):
+        return
+    for p in data["patches"]:
+        if p["id"] in changes:
+            p["changed_since_review"] = changes[p["id"]]
+
+
 def run(args) -> int:
     if args.collect:
         return _collect(args)
@@ -86,5 +102,6 @@ def run(args) -> int:
     except PatchError as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    _mark_review_changes(data)
     print(json.dumps(data, indent=1) if args.json else render_status(data))
     return 1 if any(p["state"] == "failed" for p in data["patches"]) else 0

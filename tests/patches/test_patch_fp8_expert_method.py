@@ -1,6 +1,7 @@
-"""fp8-expert-method on the published ExpertFp8Config (vllm-omni 0.32.0rc1) and vLLM-Ascend main
-stand-ins (tests/replicas/ascend_main_2608).  The end-to-end load through vLLM's own loader is in
-test_fp8_loader.py."""
+"""fp8-expert-method on the published ExpertFp8Config (vllm-omni 0.32.0rc1) and vLLM-Ascend
+stand-ins: public main of 2026-08-22 (tests/replicas/ascend_main_2608, no block-FP8 MoE scheme: the
+CPU route) and 0.30.0rc2 (tests/replicas/ascend_030rc2, AscendFp8BlockFusedMoEMethod: the native
+route).  The end-to-end load through vLLM's own loader is in test_fp8_loader.py."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from support.replicas import (
-    ASCEND_HOST_ENV, ASCEND_MAIN, FISH_OMNI_ABSENT, apply_checked, apply_on_npu, has_fish_omni, needs_fish_omni,
-    prepend_profiles,
+    ASCEND_030RC2, ASCEND_HOST_ENV, ASCEND_MAIN, FISH_OMNI_ABSENT, apply_checked, apply_on_npu, has_fish_omni,
+    needs_fish_omni, prepend_profiles,
 )
 from support.subproc import call
 from support.tiers import TORCH_ABSENT
@@ -39,11 +40,27 @@ def _published_config_class():
     return importlib.import_module(MODULE).ExpertFp8Config
 
 
-def _enable_patch(monkeypatch):
-    """Forked tests only: vLLM-Ascend stand-ins on sys.path, the engine on, as on an NPU host."""
-    prepend_profiles(ASCEND_MAIN)
+def _enable_patch(monkeypatch, profile=ASCEND_MAIN, card=None, first=None):
+    """Forked tests only: vLLM-Ascend stand-ins on sys.path (``first``, a folder, before them; the
+    build's card family ``card``, an AscendDeviceType name, when given), the engine on, as on an NPU
+    host."""
+    prepend_profiles(profile)
+    if first is not None:
+        import sys
+
+        sys.path.insert(0, str(first))
+    if card is not None:
+        from vllm_ascend.device import device_config
+        from vllm_ascend.device.hardware import AscendDeviceType
+
+        monkeypatch.setattr(device_config, "BUILD_DEVICE_TYPE", AscendDeviceType[card])
+        device_config.get_device_config.cache_clear()
     ExpertFp8Config = _published_config_class()
     return apply_on_npu(monkeypatch, "fp8-expert-method"), ExpertFp8Config
+
+
+def _row(d3p) -> dict:
+    return {p["id"]: p for p in d3p.status()["patches"]}["fp8-expert-method"]
 
 
 def _experts_layer(prefix="model.layers.0.mlp.experts"):
@@ -92,9 +109,7 @@ def test_experts_get_the_ascend_method_and_extra_keywords_are_passed_on(monkeypa
     enter_config()
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm_ascend.device import device_config
-    from vllm_ascend.device.hardware import AscendDeviceType
     from vllm_ascend.ops.fused_moe.routed_experts import AscendUnquantizedFusedMoEMethod
-    from vllm_ascend.quantization.fp8_config import AscendFp8Config
 
     config = ExpertFp8Config(weight_block_size=[128, 128])
     layer = _experts_layer()
@@ -112,12 +127,35 @@ def test_experts_get_the_ascend_method_and_extra_keywords_are_passed_on(monkeypa
     assert isinstance(config.get_quant_method(linear, "model.layers.0.mlp.gate", tid2eid=table),
                       UnquantizedLinearMethod)
 
-    # Ascend 950 (A5, MXFP8): vLLM-Ascend's own FP8 MoE method when it has one, with tid2eid ...
-    monkeypatch.setattr(device_config, "BUILD_DEVICE_TYPE", AscendDeviceType.A5)
-    device_config.get_device_config.cache_clear()
+    # On the 910B (A2) main has no block-FP8 MoE scheme: the CPU route, and status says why.
+    assert not device_config.is_950()
+    reason = _row(d3p)["reason"]
+    assert reason.startswith("patched: route cpu: vllm_ascend.quantization.fp8_config.AscendFp8Config has no "
+                             "block-FP8 MoE scheme and the card has no MXFP8"), reason
+    assert "not imported: vllm_ascend.quantization.configs.fp8_config: absent" in reason
+
+    original = d3p.get_original(TARGET)
+    d3p.unapply(["fp8-expert-method"])
+    assert ExpertFp8Config.__dict__["get_quant_method"] is original
+    assert not hasattr(ExpertFp8Config.get_quant_method, "__drama3_patch__")
+
+
+@pytest.mark.forked
+def test_on_main_an_ascend_950_asks_ascend_fp8_config_and_expands_where_it_refuses(monkeypatch):
+    d3p, ExpertFp8Config = _enable_patch(monkeypatch, card="A5")
+    enter_config()
+    from vllm_ascend.device import device_config
+    from vllm_ascend.quantization.fp8_config import AscendFp8Config
+
     assert device_config.is_950()
-    # ... main raises NotImplementedError there, so the experts are still expanded:
+    assert _row(d3p)["reason"].startswith("patched: route native: vllm_ascend.quantization.fp8_config."
+                                          "AscendFp8Config asked for each layer")
+    config = ExpertFp8Config(weight_block_size=[128, 128])
+    layer = _experts_layer()
+    table = torch.arange(8)
+    # Ascend 950 (A5, MXFP8): main raises NotImplementedError there, so the experts are still expanded ...
     assert type(config.get_quant_method(layer, layer.prefix, tid2eid=table)).__name__ == "ExpandedFp8MoEMethod"
+    # ... and vLLM-Ascend's own FP8 MoE method is taken when it answers, with tid2eid.
     seen = {}
 
     def ascend_method(self, lyr, prefix, tid2eid=None):
@@ -128,10 +166,112 @@ def test_experts_get_the_ascend_method_and_extra_keywords_are_passed_on(monkeypa
     assert config.get_quant_method(layer, layer.prefix, tid2eid=table) == "ascend-fp8-moe-method"
     assert seen == {"prefix": layer.prefix, "tid2eid": table, "block": [128, 128]}
 
-    original = d3p.get_original(TARGET)
-    d3p.unapply(["fp8-expert-method"])
-    assert ExpertFp8Config.__dict__["get_quant_method"] is original
-    assert not hasattr(ExpertFp8Config.get_quant_method, "__drama3_patch__")
+
+def _load_whole(layer, host: dict) -> None:
+    """What vLLM's FusedMoE loader leaves in the layer's parameters, whole tensors here."""
+    for name, tensor in host.items():
+        getattr(layer, name).data.copy_(tensor)
+
+
+def _host_weights(ckpt) -> dict:
+    return {
+        "w13_weight": torch.stack([torch.cat([w["w1"], w["w3"]]) for w in ckpt]),
+        "w13_weight_scale_inv": torch.stack([torch.cat([w["s1"], w["s3"]]) for w in ckpt]),
+        "w2_weight": torch.stack([w["w2"] for w in ckpt]),
+        "w2_weight_scale_inv": torch.stack([w["s2"] for w in ckpt]),
+    }
+
+
+# vLLM-Ascend 0.30.0rc2 sizes w13's scale as one grid over the 2I rows (ceil(2I / block)), vLLM's
+# loader per gate/up shard: they agree when I is a multiple of the block (Drama 3: 768).
+I_BLOCKED = 2 * B
+
+
+def _reference_layout(ckpt):
+    """w13 (E, H, 2I) and w2 (E, I, H) in bf16, from the definition, not from either route."""
+    w13 = torch.stack([torch.cat([reference_dequant(w["w1"], w["s1"]), reference_dequant(w["w3"], w["s3"])]).t()
+                       for w in ckpt])
+    w2 = torch.stack([reference_dequant(w["w2"], w["s2"]).t() for w in ckpt])
+    return w13, w2
+
+
+@pytest.mark.forked
+def test_on_0_30_0rc2_experts_take_the_native_block_fp8_method_and_status_names_it(monkeypatch):
+    d3p, ExpertFp8Config = _enable_patch(monkeypatch, profile=ASCEND_030RC2)
+    enter_config()
+    from vllm_ascend.quantization.method_adapters import AscendFusedMoEMethod
+    from vllm_ascend.quantization.methods.w8a8.fp8_block import AscendFp8BlockFusedMoEMethod
+
+    row = _row(d3p)
+    assert row["state"] == "applied"
+    assert row["reason"] == ("patched: route native: vllm_ascend.quantization.configs.fp8_config.AscendFp8Config "
+                             "-> AscendFp8BlockFusedMoEMethod"), row["reason"]
+    config = ExpertFp8Config(weight_block_size=[B, B])
+    layer = _experts_layer()
+    table = torch.arange(8)
+    method = config.get_quant_method(layer, layer.prefix, tid2eid=table)
+    assert type(method) is AscendFusedMoEMethod and type(method.quant_method) is AscendFp8BlockFusedMoEMethod
+    assert method.tid2eid is table and (method.quant_method.block_n, method.quant_method.block_k) == (B, B)
+
+    # Loaded and post-processed as vLLM-Ascend does it: fp8 on the layer's device, resolved there.
+    method.create_weights(layer, E, H, I_BLOCKED, torch.bfloat16, weight_loader=lambda *a, **k: None)
+    assert layer.w13_weight.dtype == torch.float8_e4m3fn and layer.w13_weight.device.type == "cpu"
+    ckpt = _checkpoint(5, I_BLOCKED)
+    _load_whole(layer, _host_weights(ckpt))
+    method.process_weights_after_loading(layer)
+    w13, w2 = _reference_layout(ckpt)
+    assert layer.w13_weight.dtype == torch.bfloat16 and tuple(layer.w13_weight.shape) == (E, H, 2 * I_BLOCKED)
+    assert torch.equal(layer.w13_weight.view(torch.int16), w13.contiguous().view(torch.int16))
+    assert torch.equal(layer.w2_weight.view(torch.int16), w2.contiguous().view(torch.int16))
+    assert not hasattr(layer, "w13_weight_scale_inv") and not hasattr(layer, "_drama3_fp8_host")
+
+
+@pytest.mark.forked
+def test_on_0_30_0rc2_the_route_variable_keeps_the_cpu_expansion(monkeypatch):
+    monkeypatch.setenv("DRAMA3_PATCHES_FP8_ROUTE", "cpu")
+    d3p, ExpertFp8Config = _enable_patch(monkeypatch, profile=ASCEND_030RC2)
+    enter_config()
+    assert _row(d3p)["reason"] == "patched: route cpu: DRAMA3_PATCHES_FP8_ROUTE=cpu"
+    config = ExpertFp8Config(weight_block_size=[B, B])
+    layer = _experts_layer()
+    assert type(config.get_quant_method(layer, layer.prefix)).__name__ == "ExpandedFp8MoEMethod"
+
+
+@pytest.mark.forked
+def test_on_main_the_route_variable_native_asks_ascend_fp8_config_on_a_910b(monkeypatch):
+    monkeypatch.setenv("DRAMA3_PATCHES_FP8_ROUTE", "native")
+    d3p, ExpertFp8Config = _enable_patch(monkeypatch)
+    enter_config()
+    assert _row(d3p)["reason"].startswith(
+        "patched: route native: vllm_ascend.quantization.fp8_config.AscendFp8Config asked for each layer "
+        "(DRAMA3_PATCHES_FP8_ROUTE=native)")
+    config = ExpertFp8Config(weight_block_size=[B, B])
+    layer = _experts_layer()
+    # main's AscendFp8Config refuses every layer: the experts are expanded, not left to vLLM's CUDA method.
+    assert type(config.get_quant_method(layer, layer.prefix)).__name__ == "ExpandedFp8MoEMethod"
+
+
+@pytest.mark.forked
+def test_a_known_config_path_that_fails_to_import_is_named_in_status(monkeypatch, tmp_path):
+    import shutil
+
+    from support.replicas import profile
+
+    root = tmp_path / "ascend"
+    shutil.copytree(profile(ASCEND_030RC2), root)
+    broken = root / "vllm_ascend/quantization/configs/fp8_config.py"
+    text = broken.read_text()
+    assert "\nimport inspect\n" in text
+    broken.write_text(text.replace("\nimport inspect\n", "\nimport inspect\nimport no_such_dependency\n", 1))
+    d3p, ExpertFp8Config = _enable_patch(monkeypatch, profile=ASCEND_030RC2, first=root)
+    enter_config()
+    reason = _row(d3p)["reason"]
+    assert reason.startswith("patched: route cpu: no AscendFp8Config in this vLLM-Ascend; not imported: "
+                             "vllm_ascend.quantization.configs.fp8_config: ModuleNotFoundError: No module named "
+                             "'no_such_dependency'; vllm_ascend.quantization.fp8_config: absent"), reason
+    config = ExpertFp8Config(weight_block_size=[B, B])
+    layer = _experts_layer()
+    assert type(config.get_quant_method(layer, layer.prefix)).__name__ == "ExpandedFp8MoEMethod"
 
 
 def test_call_accepting_passes_only_what_the_callee_takes():
@@ -209,7 +349,7 @@ def test_plan_is_not_needed_when_the_model_already_picks_ascend():
         fem.plan(ctx)
 
 
-def _checkpoint(seed: int):
+def _checkpoint(seed: int, I=I):  # noqa: E741
     """Per-expert gate/up/down fp8 weights with every code (NaN included) and block scales."""
     g = torch.Generator().manual_seed(seed)
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from support.replicas import ASCEND_032, ASCEND_MAIN, cpu_imports, npu_env, profile_paths
+from support.replicas import ASCEND_030RC2, ASCEND_032, ASCEND_MAIN, cpu_imports, npu_env, profile_paths
 from support.subproc import call
 
 pytestmark = pytest.mark.vllm
@@ -118,7 +118,7 @@ def _run(ascend: str) -> dict:
     return call(forwarding_child, env=npu_env(), pythonpath=profile_paths(ascend))
 
 
-@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
+@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_030RC2, ASCEND_032])
 def result(request):
     return request.param, _run(request.param)
 
@@ -144,7 +144,7 @@ def test_signature_accepts_the_count_optionally(result):
 
 def test_forwarded_exactly_when_the_parent_takes_it(result):
     ascend, out = result
-    if ascend == ASCEND_MAIN:
+    if ascend in (ASCEND_MAIN, ASCEND_030RC2):
         # Parent takes three: every call form reaches it with three.
         assert out["patched"] == {
             "vllm_four_positional": [3], "keyword": [3], "absent": [3], "omni_execute_model": [3],
@@ -159,8 +159,8 @@ def test_forwarded_exactly_when_the_parent_takes_it(result):
 def test_without_the_patch_one_caller_breaks(result):
     ascend, out = result
     unpatched = out["unpatched"]
-    if ascend == ASCEND_MAIN:
-        # The published execute_model passes four: vllm-ascend main's runner takes three.
+    if ascend in (ASCEND_MAIN, ASCEND_030RC2):
+        # The published execute_model passes four: vllm-ascend main's (and 0.30.0rc2's) runner takes three.
         for key in ("vllm_four_positional", "omni_execute_model"):
             assert unpatched[key] == (
                 "TypeError: NPUModelRunner.prepare_inputs() takes 4 positional arguments but 5 were given"), key

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from support.replicas import ASCEND_032, ASCEND_FIXED, ASCEND_MAIN, npu_env, profile, profile_paths
+from support.replicas import ASCEND_030RC2, ASCEND_032, ASCEND_FIXED, ASCEND_MAIN, npu_env, profile, profile_paths
 from support.subproc import ChildFailed, call
 
 pytestmark = pytest.mark.vllm
@@ -154,7 +154,7 @@ def global_patches_child() -> None:
     adapt_patch(is_global_patch=True)
 
 
-@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
+@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_030RC2, ASCEND_032])
 def applied(request):
     return request.param, _run(profile_paths(request.param))
 

@@ -147,3 +147,33 @@ def test_a_name_the_operators_job_runtime_env_sets_is_never_carried(tmp_path):
     assert got["v1_names"] == ["DRAMA3_PATCHES", "DRAMA3_PATCHES_PLATFORM"]
     # the data-parallel call excludes that name itself: this line only shows the rest still go
     assert got["dp"] == ["DRAMA3_PATCHES", "DRAMA3_PATCHES_PLATFORM"]
+
+
+def data_parallel_only() -> dict:
+    """As on vLLM 0.33 (no V1 Ray executor): the DP engine cores' copy list and the status row."""
+    import vllm.v1.engine.utils as dp
+    import vllm.v1.executor.ray_executor_v2 as v2
+
+    from drama3_patches.engine import get_engine
+
+    row = next(p for p in get_engine().status()["patches"] if p["id"] == "ray-actor-env")
+    names = dp.get_env_vars_to_copy(exclude_vars={"DRAMA3_PATCHES_TP_CHECK"}, destination="test")
+    return {"state": row["state"], "reason": row["reason"], "targets": row["target_states"],
+            "dp": sorted(n for n in names if n.startswith("DRAMA3_")),
+            "v2": v2.update_runtime_env_for_worker_import({}).get("env_vars", {})}
+
+
+def test_without_the_v1_ray_executor_its_route_is_not_needed_and_the_others_stay():
+    """vLLM 0.33 removed the V1 Ray executor (stand-in: support.vllm_removed): the copy list still
+    serves Ray data parallel's engine cores, the V2 workers' runtime_env is still carried, and
+    status says the V1 route is not needed."""
+    from support.vllm_removed import as_vllm_0_33
+
+    got = call(data_parallel_only, env=DRIVER, prelude=as_vllm_0_33)
+    assert got["state"] == "applied"
+    assert got["reason"] == ("patched: V1 route not needed: no V1 Ray executor (vllm.v1.executor.ray_executor; "
+                             "removed in vLLM 0.33): the copy list serves Ray data-parallel engine cores only")
+    assert got["dp"] == ["DRAMA3_PATCHES", "DRAMA3_PATCHES_PLATFORM"]
+    assert got["v2"] == DRIVER
+    # With the V1 executor (vLLM 0.32 as installed) nothing is said beyond "patched".
+    assert call(data_parallel_only, env=DRIVER)["reason"] == "patched"

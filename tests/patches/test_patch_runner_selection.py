@@ -22,7 +22,9 @@ import pytest
 
 from drama3_patches.tools.deploy_config import profiles
 from support.logs import captured
-from support.replicas import ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths
+from support.replicas import (
+    ASCEND_030RC2, ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths,
+)
 from support.subproc import call
 
 pytestmark = pytest.mark.vllm
@@ -212,7 +214,7 @@ def _run(child, paths, args=(), **env) -> dict:
                 env=npu_env(**env), pythonpath=paths)
 
 
-@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_032])
+@pytest.fixture(scope="module", params=[ASCEND_MAIN, ASCEND_030RC2, ASCEND_032])
 def result(request):
     return request.param, _run(selection_child, profile_paths(request.param), [list(PROFILES)])
 
@@ -368,3 +370,56 @@ def test_upstream_fixes_are_detected_by_behaviour(tmp_path):
     assert "already accepts model_runner v2 on npu" in out["loader"]["reason"]
     # A V2 AR runner that vLLM-Omni ships (OmniARModelRunner on vLLM-Ascend's V2) is built instead.
     assert out["runner"] == ["ShippedNPUOmniARModelRunner", "vllm_omni.platforms.npu.worker.npu_v2_ar_model_runner"]
+
+
+def _plan_on_stubs():
+    """plan() on stand-in originals of the three worker targets (what the plan does with them does
+    not depend on vLLM-Omni's NPU workers, which need vLLM-Ascend)."""
+    from drama3_patches.patches import runner_selection as rs
+    from drama3_patches.patchlib import PatchContext
+
+    def ar_init(self, vllm_config):
+        self.vllm_config, self.use_v2_model_runner = vllm_config, False  # the parent's process-wide choice
+
+    def generation_init(self, vllm_config):
+        self.vllm_config = vllm_config
+
+    def ar_init_device(self):
+        pass
+
+    originals = {rs.AR_INIT: ar_init, rs.GENERATION_INIT: generation_init, rs.AR_INIT_DEVICE: ar_init_device}
+    ctx = PatchContext("runner-selection", tuple(originals), "npu", {}, rs.logger, _resolve=originals.__getitem__)
+    return rs, ctx, rs.plan(ctx)
+
+
+@pytest.mark.forked
+def test_without_model_runner_v1_every_stage_runs_on_v2():
+    """vLLM 0.34 removed Model Runner V1 (stand-in: support.vllm_removed; its VllmConfig and model
+    config have no use_v2_model_runner): the DAC stage must run on V2, so the generation worker's
+    refusal is left out, and the AR worker takes V2 whatever its stage's config says."""
+    from support.vllm_removed import as_vllm_0_34
+
+    as_vllm_0_34()
+    rs, ctx, out = _plan_on_stubs()
+    assert rs.model_runner_v1_removed()
+    assert set(out) == {rs.AR_INIT, rs.AR_INIT_DEVICE}
+    assert ctx.left[rs.GENERATION_INIT] == ("vLLM has no Model Runner V1 (vllm.v1.worker.gpu_model_runner; removed "
+                                            "in vLLM 0.34): every stage runs on V2; nothing to refuse")
+    assert ctx.notes[rs.AR_INIT] == rs.NO_V1
+    worker = SimpleNamespace()
+    out[rs.AR_INIT](worker, SimpleNamespace(model_config=SimpleNamespace(stage_id=0)))
+    assert worker.use_v2_model_runner is True
+
+
+def test_with_model_runner_v1_each_stage_keeps_its_choice():
+    """The installed vLLM (0.31/0.32) has V1: the stage's flag decides and V2 is refused on the
+    generation worker, as before."""
+    rs, ctx, out = _plan_on_stubs()
+    assert not rs.model_runner_v1_removed()
+    assert set(out) == {rs.AR_INIT, rs.AR_INIT_DEVICE, rs.GENERATION_INIT} and not ctx.notes
+    worker = SimpleNamespace()
+    out[rs.AR_INIT](worker, SimpleNamespace(model_config=SimpleNamespace(stage_id=0)))
+    assert worker.use_v2_model_runner is False
+    with pytest.raises(ValueError, match="set `model_runner: v1` for this stage"):
+        out[rs.GENERATION_INIT](SimpleNamespace(), SimpleNamespace(
+            model_config=SimpleNamespace(stage_id=1, use_v2_model_runner=True)))

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from support.replicas import ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths
+from support.replicas import (
+    ASCEND_030RC2, ASCEND_032, ASCEND_MAIN, enter_npu_workers, installed, npu_env, profile_paths,
+)
 from support.subproc import call, run_cli
 
 pytestmark = pytest.mark.vllm
@@ -45,7 +47,7 @@ def _status_with_npu_workers(ascend: str) -> dict:
     return _parse(SimpleNamespace(stderr="", **got))
 
 
-@pytest.mark.parametrize("ascend", [ASCEND_MAIN, ASCEND_032])
+@pytest.mark.parametrize("ascend", [ASCEND_MAIN, ASCEND_030RC2, ASCEND_032])
 def test_applied_with_targets_on_npu_with_a_profile(ascend):
     got = _status_with_npu_workers(ascend)
     assert got["_versions"]["vllm-omni"] == installed("vllm-omni")

@@ -25,6 +25,7 @@ REPLICAS = Path(__file__).resolve().parents[1] / "replicas"
 
 ASCEND_MAIN = "ascend_main_2608"      # vllm-ascend public main, 2026-08-22 (182b75ea84)
 ASCEND_032 = "ascend_032"             # vllm-ascend 0.32 as the port describes it (not public)
+ASCEND_030RC2 = "ascend_030rc2"       # vllm-ascend 0.30.0rc2, the newest published source (PyPI sdist)
 ASCEND_FIXED = "ascend_synthetic_fixed"  # synthetic: the Mamba manager already takes prefill_end
 
 #: Published vllm-omni version -> its NPU runner stand-ins.

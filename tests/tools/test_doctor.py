@@ -352,7 +352,8 @@ def test_noxfile_runs_the_pairs_doctor_checks(monkeypatch):
     spec.loader.exec_module(noxfile)
     assert noxfile.PAIRS == [(p.vllm, p.vllm_omni) for p in pairings.PAIRINGS] == [
         ("0.31.0", "0.31.0rc1"), ("0.32.0", "0.32.0rc1")]
-    assert noxfile.TORCH == "torch==2.13.0"
+    assert noxfile.TORCHES == {"0.31.0": "torch==2.13.0", "0.32.0": "torch==2.13.0"}
+    assert noxfile.DRIFT == [("0.33.0", "2.14.0"), ("0.34.0", "2.14.0")]
     assert pairings.for_omni("0.30.0") is None and pairings.for_vllm("0.32.3").vllm_omni == "0.32.0rc1"
 
 
@@ -397,3 +398,43 @@ def test_vllm_plugins_unset_or_naming_drama3_patches_says_nothing(tmp_path, valu
         env["VLLM_PLUGINS"] = value
     rc, text = _report(_checks(tmp_path, env=env))
     assert rc == 0 and "VLLM_PLUGINS" not in text and text.splitlines()[-1] == "ready", text
+
+
+@pytest.mark.parametrize("versions,said", [
+    ({"vllm": "0.34.0", "vllm-omni": "0.34.0rc1"},
+     "this patch set was reviewed for vLLM 0.31-0.32; 0.34.0 is installed; vLLM-Omni 0.31-0.32; 0.34.0rc1 is "
+     "installed: every patch is skipped"),
+    ({"vllm": "0.34.0", "vllm-omni": "0.32.0rc1"},
+     "this patch set was reviewed for vLLM 0.31-0.32; 0.34.0 is installed: "),
+])
+def test_outside_every_reviewed_range_doctor_says_every_patch_steps_aside_and_what_to_do(tmp_path, versions, said):
+    """The shipped manifest: vLLM (and vLLM-Omni) past every patch's range."""
+    from drama3_patches.manifest import load_manifest
+
+    checks = doctor.run_checks(env={"DRAMA3_PATCHES": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}, dirs=_site(tmp_path),
+                               entry_points=[EP], installed=dict(READY_VERSIONS, **versions).get,
+                               npu={"count": 2, "torch_npu": "x", "torch": "y"}, manifest=load_manifest())
+    rc, text = _report(checks)
+    line, fix = next((ln, f) for ln, f in _fails(text) if "reviewed range" in ln)
+    assert rc == 1 and line.startswith(f"  [FAIL] reviewed range: {said}"), line
+    assert fix == ('         fix: install a reviewed pair (VLLM_TARGET_DEVICE=empty pip install --no-binary vllm '
+                   '"vllm==0.32.0" and pip install "vllm-omni==0.32.0rc1"), or a drama3-patches release reviewed '
+                   'for the installed versions')
+    # Inside the range: no such line.
+    _, text = _report(_pair_checks(tmp_path))
+    assert "reviewed range" not in text
+
+
+def test_each_row_pins_its_own_torch(monkeypatch):
+    """The table may pin several torches (vLLM 0.32: 2.13.0; 0.33/0.34: 2.14.0): each row's comes back,
+    and a vLLM in no row is refused by name."""
+    from drama3_patches.tools import pairings
+
+    monkeypatch.setattr(pairings, "PAIRINGS", (
+        pairings.Pairing("0.32.0", "0.32.0rc1", "2.13.0", "0.32", "2.13.0"),
+        pairings.Pairing("0.35.0", "0.35.0rc1", "2.15.0", "0.35", "2.15.0")))
+    assert pairings.nox_torch("0.32.0") == "2.13.0"
+    assert pairings.nox_torch("0.35.0") == "2.15.0"
+    assert pairings.nox_torch("0.34.0") == "2.14.0"  # a drift row
+    with pytest.raises(ValueError, match=r"vLLM 0\.99\.0 is in no row of the pairings table"):
+        pairings.nox_torch("0.99.0")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from support.replicas import (
+    ASCEND_030RC2,
     ASCEND_032,
     ASCEND_MAIN,
     NPU_WORKER_PACKAGE,
@@ -113,7 +114,7 @@ def test_on_sys_path_imports_from_the_profile_and_forgets_it_after():
 
 @pytest.mark.vllm
 @pytest.mark.forked
-@pytest.mark.parametrize("ascend", [ASCEND_MAIN, ASCEND_032])
+@pytest.mark.parametrize("ascend", [ASCEND_MAIN, ASCEND_030RC2, ASCEND_032])
 def test_stand_ins_subclass_the_real_vllm_and_vllm_omni_classes(ascend):
     prepend_profiles(ascend)
     enter_npu_workers()

@@ -204,6 +204,12 @@ def run(args) -> int:
                 if s.tower else "")
     ssm = "" if opts.mamba_ssm_cache_dtype == "auto" else f", temporal state {opts.mamba_ssm_cache_dtype}"
     print(f"  (KV {f['kv_per_token']} B/token{tower_kv}, linear-attention state {f['state_per_seq']} B/sequence{ssm})")
+    routes = f.get("fp8_routes")
+    if routes:
+        print(f"  FP8 expert load route: native (vLLM-Ascend's method) peak {format_bytes(routes['native']).strip()} "
+              f"({routes['native_at']}); cpu (host expansion) peak {format_bytes(routes['cpu']).strip()}, "
+              f"host holds {format_bytes(routes['cpu_host']).strip()}")
+        print(f"  route taken: {routes['route']}: {routes['why']}")
     if f["dense_fp8"]:
         print(f"  note: {f['dense_fp8'] / 1024 ** 3:.2f} GiB of dense FP8 tensors counted as stored")
     if "dac_weights" in f:
@@ -220,7 +226,8 @@ def run(args) -> int:
         print(f"note: {line}")
     print()
     if plan.fits:
-        print(f"verdict: FITS: load peak {f['load_peak'] / 1024 ** 3:.2f} GiB of {f['budget'] / 1024 ** 3:.2f} GiB; "
+        peak = routes[routes["route"]] if routes else f["load_peak"]  # the route the deploy takes
+        print(f"verdict: FITS: load peak {peak / 1024 ** 3:.2f} GiB of {f['budget'] / 1024 ** 3:.2f} GiB; "
               f"{f['left_for_cache'] / 1024 ** 3:.2f} GiB left for {f['cache_needed'] / 1024 ** 3:.2f} GiB of cache")
     else:
         print("verdict: DOES NOT FIT: " + "; ".join(plan.problems))

@@ -454,6 +454,25 @@ def _dense_fraction(name: str, t: Tensor, shape: ModelShape, tp: int) -> float:
     return 1.0 / tp
 
 
+def expert_layers(ckpt) -> list:
+    """The checkpoint's expert tensors summed per layer (``fp8_routes.ExpertLayer``), in the order vLLM
+    post-processes them."""
+    from drama3_patches.tools.plan.fp8_routes import ExpertLayer
+
+    layers: dict[int, ExpertLayer] = {}
+    for t in ckpt.tensors.values():
+        if _role(ckpt, t.name) != "expert":
+            continue
+        m = _LAYER.search(t.name)
+        index = int(m.group(1)) if m else -1
+        layer = layers.setdefault(index, ExpertLayer(index))
+        part = "w13" if _GATE_UP.search(t.name) else "w2"
+        setattr(layer, f"{part}_stored", getattr(layer, f"{part}_stored") + t.nbytes)
+        if not _SCALE.search(t.name):
+            setattr(layer, f"{part}_bf16", getattr(layer, f"{part}_bf16") + t.numel * 2)
+    return [layers[i] for i in sorted(layers)]
+
+
 def _role(ckpt: Checkpoint, name: str) -> str:
     """backbone, expert, head or tower (fish_omni); backbone or expert otherwise."""
     if ckpt.kind != FISH_OMNI:
@@ -650,6 +669,13 @@ def make_plan(ckpt: Checkpoint, opts: Options, sums: dict | None = None) -> Plan
         "card_bytes": card.memory_bytes, "dense_fp8": sums["dense_fp8"],
         "disk_read_per_rank": disk_read, "disk_read_filtered": filtered,
     }
+    if fp8_experts and not card.mxfp8:
+        from drama3_patches.tools.plan import fp8_routes
+
+        routes = fp8_routes.route_peaks(expert_layers(ckpt), shape, efrac, dense + other)
+        if routes:
+            routes["route"], routes["why"] = fp8_routes.choose(routes, budget)
+            plan.figures["fp8_routes"] = routes
     if fish:
         plan.figures.update({"head": head, "tower": tower, "dac_encoder": dac_encoder, "model_buffers": buffers,
                              "kv_per_token_tower": kv_tower, "tower_split": split, "tower_kv_heads": tower_kv_heads})
