@@ -41,9 +41,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get_json(url: str, timeout: float = 5) -> dict:
+def get_json(url: str, timeout: float = 5, limit: int = 1 << 22) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:  # loopback only: the URLs are ours
-        return json.loads(r.read(1 << 22))
+        body = r.read(limit + 1)
+    if len(body) > limit:
+        raise AssertionError(f"{url[:200]}: an answer over {limit} bytes")
+    return json.loads(body)
 
 
 def rules_with_for(overrides: dict[str, str]) -> dict:
@@ -110,7 +113,7 @@ class Prometheus:
         """``expr`` over [start, end] every ``step`` seconds, as a Grafana panel asks for it."""
         params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
         url = f"{self.url}/api/v1/query_range?" + urllib.parse.urlencode(params)
-        return get_json(url, timeout=30)["data"]["result"]
+        return get_json(url, timeout=30, limit=1 << 26)["data"]["result"]  # a run's points: megabytes
 
     def rules(self) -> list[dict]:
         return [r for g in get_json(f"{self.url}/api/v1/rules")["data"]["groups"] for r in g["rules"]]
@@ -299,7 +302,8 @@ def raw(p: Prometheus, series: str, start: float, end: float) -> list[tuple[floa
     """Every scraped sample of ``series`` in [start, end], the series' values added per scrape."""
     window = int(end - start) + 1
     added: dict[float, float] = {}
-    for result in p.query(f"{series}[{window}s]", at=end):
+    params = {"query": f"{series}[{window}s]", "time": f"{end:.3f}"}
+    for result in get_json(f"{p.url}/api/v1/query?" + urllib.parse.urlencode(params), 30, 1 << 26)["data"]["result"]:
         for t, v in result["values"]:
             added[float(t)] = added.get(float(t), 0.0) + float(v)
     return sorted(added.items())
