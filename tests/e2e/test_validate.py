@@ -8,6 +8,11 @@ The negative controls, one server each: the test-only faults ``DRAMA3_PATCHES_FA
 the next slot's history, as a park that read the wrong slot would): the preemption row must fail
 on each, because the resume check, whose reference is read from the request's own slot, raises
 ``ResumedHistoryMismatch``, and the report's diagnosis must name that cause.
+
+The TP2 rehearsal is also scraped by a real Prometheus (Debian's 2.42, ``support.prometheus``),
+started before validate on a loopback port with the documented alert rules and pointed at the
+port the fixture hands validate (``--port``), asked after the run what the Grafana dashboard
+over the run shows, and stopped: no server of its own.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ pytestmark = pytest.mark.e2e
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rehearsal  # noqa: E402
+from support import prometheus as prom  # noqa: E402
 
 CLONES, PREEMPT, BENCH = 3, 4, 2
+PROFILED = 1  # the per-frame time window's request
 
 
 def _run(model_dir, out: Path, extra: list = (), **kwargs):
@@ -37,9 +44,31 @@ def _run(model_dir, out: Path, extra: list = (), **kwargs):
 
 
 @pytest.fixture(scope="module")
-def tp2(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("validate") / "tp2"
-    return (out, *_run(model_dir, out, tp=2))
+def rehearsed(model_dir, tmp_path_factory):
+    """The TP2 rehearsal on a port picked here, a Prometheus scraping that port the while."""
+    base = tmp_path_factory.mktemp("validate")
+    port = prom.free_port()
+    with prom.Around(base / "prometheus", f"127.0.0.1:{port}") as scraping:
+        run = _run(model_dir, base / "tp2", tp=2, extra=["--port", str(port)])
+    record = scraping.record
+    print(f"prometheus: {record.get('version')}, ready in {record.get('ready_s')} s, "
+          f"{record.get('up')} of {record.get('scrapes')} scrapes up; {record.get('error', '')}")
+    return (base / "tp2", *run), record
+
+
+@pytest.fixture(scope="module")
+def tp2(rehearsed):
+    return rehearsed[0]
+
+
+@pytest.fixture(scope="module")
+def scraped(rehearsed):
+    """What the Prometheus recorded (``prom.Around.record``); skipped without Debian's package."""
+    record = rehearsed[1]
+    if record.get("error") == prom.MISSING:
+        pytest.skip(prom.MISSING)
+    assert "error" not in record, record["error"]
+    return record
 
 
 def test_validate_at_tp2_passes_every_phase_and_counts_what_it_checked(tp2):
@@ -148,6 +177,80 @@ def test_validate_profiles_the_per_frame_time_and_reports_playout(tp2):
             # the chunks add up to the request's audio, and the stream starts with the ramp's 6 frames
             assert sum(frames) * 2048 == round(q["audio_seconds"] * 44100) and (sum(frames) <= 6 or frames[0] == 6)
             assert q["stall_free_start_s"] == pytest.approx(q["ttft"] + q["needed_cushion_s"])
+
+
+def test_promtool_accepts_the_alert_rules_and_prometheus_evaluates_each_on_the_rehearsal(scraped):
+    checked = prom.promtool("check", "rules", str(prom.ALERTS_FILE))
+    assert checked.returncode == 0 and "SUCCESS: 3 rules found" in checked.stdout, checked.stdout + checked.stderr
+    rules = scraped["rules"]
+    assert sorted(rules) == ["Drama3AudioUnderrunShare", "Drama3PatchFailed", "Drama3PatchesCollectorErrors"]
+    assert {name: r["health"] for name, r in rules.items()} == dict.fromkeys(rules, "ok"), rules
+    # a passing run: no patch failed, the collector never failed
+    assert rules["Drama3PatchFailed"]["state"] == rules["Drama3PatchesCollectorErrors"]["state"] == "inactive"
+
+
+def test_every_dashboard_query_gives_series_over_the_rehearsal_or_is_named_empty_by_design(scraped):
+    panels = scraped["panels"]
+    print(f"over {scraped['last_up'] - scraped['first_up']:.0f} s, step {scraped['step_s']} s, "
+          f"$__rate_interval {scraped['rate_interval']}")
+    for where, r in panels.items():
+        print(f"{r['series']:3d} series, {r['finite']:5d} values, max {r['max']}: {where}")
+    assert len(panels) == len(prom.dashboard_queries()) == 19  # 17 panel targets, the 2 query variables
+    empty = {where for where, r in panels.items() if r["series"] == 0}
+    assert empty <= set(prom.EMPTY_BY_DESIGN), sorted(empty - set(prom.EMPTY_BY_DESIGN))
+    # the patches' panels show this run: no patch failed, phase c's preemptions and the TP2 ranks'
+    # compared steps as rates above 0, every role reporting
+    for where, above_0 in (("panel 'Failed patches' A", False), ("panel 'Preemptions and resumes per second' A", True),
+                           ("panel 'Tensor-parallel steps compared per second' A", True)):
+        assert (panels[where]["above_0"] > 0) == above_0 and panels[where]["finite"] > 0, (where, panels[where])
+    roles = {labels["role"] for labels in panels["panel 'Processes reporting' A"]["labels"]}
+    assert {"api-server", "engine-core", "worker"} <= roles, roles
+
+
+def test_the_audio_panels_count_the_rehearsals_requests(scraped, tp2):
+    from drama3_patches.tools.validate.metrics import parse, total
+
+    out, done, report, checks = tp2
+    audio = {where: r for where, r in scraped["panels"].items() if "vllm_omni:" in r["expr"]}
+    assert len(audio) == 10, sorted(audio)  # 9 panel targets and the model variable
+    for where, r in audio.items():
+        if where not in prom.EMPTY_BY_DESIGN:
+            assert r["finite"] > 0, (where, r)  # a value while requests ran, not NaN throughout
+    # what Prometheus holds at the last scrape is validate's own /metrics page at its end: one
+    # observation per request the run sent (each phase's, and the profiled one)
+    page = parse((out / "metrics.txt").read_text(), prefix="vllm_omni:")
+    assert scraped["totals"] == {name: total(page, name) for name in prom.AUDIO_TOTALS}, scraped["totals"]
+    requests = CLONES + PREEMPT + 2 * BENCH + PROFILED
+    assert report["counts"]["requests_completed"] + PROFILED == requests
+    for name in ("vllm_omni:audio_ttfp_s_count", "vllm_omni:audio_underrun_s_count",
+                 "vllm_omni:speech_stream_completed_total"):
+        assert scraped["totals"][name] == requests, (name, scraped["totals"])
+
+
+def test_audio_underrun_per_request_beside_validates_playout_for_the_bench_requests(scraped, tp2):
+    """The phases run one after another, so the k-th underrun observation is the k-th request's to
+    finish: phase b's, then c's, then the bench's (concurrency 1, then 2), then the profiled one.
+    vLLM-Omni's ``audio_underrun_s`` is the cushion the stream needed as the server sent it;
+    validate's D is the same figure from the client's arrival times (stalls: its silences at C=0)."""
+    out, done, report, checks = tp2
+    steps = scraped["underrun_steps"]
+    assert sum(e["added"] for e in steps) == CLONES + PREEMPT + 2 * BENCH + PROFILED, steps
+    first = CLONES + PREEMPT
+    print("underrun_s per observation:", [prom.observation(steps, k) for k in range(1, steps[-1]["after"] + 1)])
+    print("level | request | audio_underrun_s | D (needed_cushion_s) | stalls | stall_s | longest_stall_s")
+    alone = []
+    for level in report["bench"]:
+        # at concurrency 1 the k-th to finish is the k-th sent; above it, the order they ended in
+        # is not in the report, so the level's observations are listed beside its requests
+        c = level["max_concurrency"]
+        for q in sorted(level["requests"], key=lambda q: q["start_time"]):
+            first += 1
+            u = prom.observation(steps, first)
+            alone += [u is not None] if c == 1 else []
+            print(f"c{c} | {q['utt']} | {u if c == 1 else f'finished {first - CLONES - PREEMPT}: {u}'} | "
+                  f"{q['needed_cushion_s']:.3f} | {q['stalls']} | {q['stall_s']:.3f} | {q['longest_stall_s']:.3f}")
+    # at concurrency 1 each request ends alone, seconds after the one before: in a scrape of its own
+    assert alone == [True] * BENCH, steps
 
 
 @pytest.mark.parametrize("fault", ["parked-history", "wrong-slot"])

@@ -5,6 +5,7 @@ published code renders (``support.omni_audio``: its families observed through
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 
@@ -96,3 +97,52 @@ def test_each_audio_panel_and_the_underrun_alert_give_series_on_vllm_omnis_own_p
     finally:
         p.stop()
         served.stop()
+
+
+@pytest.mark.vllm
+@needs_prometheus
+def test_around_a_run_records_each_query_up_to_the_targets_last_scrape_and_each_request_per_scrape(tmp_path):
+    """``prom.Around`` (the e2e rehearsal's scraper) over a stand-in run: vLLM-Omni's own pages
+    served a few scrapes, then the target gone. What it records is read at the last scrape the
+    target answered, each scrape's new underrun observations against ROUNDS."""
+    pages = call(omni_audio.published_pages, timeout=120)
+    served = prom.Pages(pages)
+    stopped = False
+    try:
+        with prom.Around(tmp_path / "prometheus", served.target) as around:
+            deadline = time.monotonic() + DEADLINE_S
+            while served.gets < 5:  # both rounds scraped, the second for a rate window's length
+                assert time.monotonic() < deadline and "error" not in around.record, around.record
+                time.sleep(0.2)
+            served.stop()
+            stopped = True
+            time.sleep(2 * prom.SCRAPE_S)  # a scrape or two that find the target gone
+    finally:
+        if not stopped:
+            served.stop()
+    rec = around.record
+    assert "error" not in rec, rec["error"]
+    assert rec["version"].startswith("prometheus, version 2.") and 0 < rec["up"] < rec["scrapes"], rec
+    assert rec["rate_interval"] == f"{4 * prom.SCRAPE_S}s" and rec["step_s"] == prom.SCRAPE_S
+    observed = [r for rnd in omni_audio.ROUNDS for r in rnd]
+    assert rec["totals"] == {"vllm_omni:audio_ttfp_s_count": len(observed), "vllm_omni:audio_rtf_count": len(observed),
+                             "vllm_omni:audio_underrun_s_count": len(observed),
+                             "vllm_omni:audio_frames_total": sum(r[5] for r in observed),
+                             "vllm_omni:speech_stream_completed_total": len(observed)}
+    # one scrape per round: its requests' underruns added up; a request alone in none of them
+    first, second = ([r[4] for r in rnd] for rnd in omni_audio.ROUNDS)
+    steps = rec["underrun_steps"]
+    assert [(e["after"], e["added"]) for e in steps] == [(6, 6), (10, 4)], steps
+    assert [e["sum"] for e in steps] == [pytest.approx(sum(first)), pytest.approx(sum(second))]
+    assert prom.observation(steps, 7) is None and prom.observation(steps, 11) is None
+    assert prom.observation(prom.steps([(1.0, 1), (2.0, 2)], [(1.0, 0.5), (2.0, 1.75)]), 2) == 1.25
+    # every audio query had values; the patches' own are empty on a page without them ('Failed
+    # patches' alone shows 0 by its 'or vector(0)'): an empty query is seen as empty
+    panels = rec["panels"]
+    for where, r in panels.items():
+        if "vllm_omni:" in r["expr"]:
+            assert r["series"] >= 1 and r["finite"] > 0, (where, r)
+        elif where != "panel 'Failed patches' A":
+            assert r["series"] == 0, (where, r)
+    assert panels["panel 'Failed patches' A"]["max"] == 0
+    assert json.loads((tmp_path / "prometheus" / "record.json").read_text()) == rec

@@ -41,9 +41,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get_json(url: str, timeout: float = 5) -> dict:
+def get_json(url: str, timeout: float = 5, limit: int = 1 << 22) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:  # loopback only: the URLs are ours
-        return json.loads(r.read(1 << 22))
+        body = r.read(limit + 1)
+    if len(body) > limit:
+        raise AssertionError(f"{url[:200]}: an answer over {limit} bytes")
+    return json.loads(body)
 
 
 def rules_with_for(overrides: dict[str, str]) -> dict:
@@ -62,6 +65,7 @@ class Prometheus:
     ``rules`` loaded, both at ``interval``; stopped by :meth:`stop`."""
 
     def __init__(self, workdir: Path, jobs: dict[str, str], rules: dict, interval: str = "1s") -> None:
+        self.interval = interval
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "rules.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
         config = {
@@ -99,10 +103,20 @@ class Prometheus:
     def alerts(self) -> list[dict]:
         return get_json(f"{self.url}/api/v1/alerts")["data"]["alerts"]
 
-    def query(self, expr: str) -> list[dict]:
-        """The instant vector ``expr`` gives now; raises for a query Prometheus rejects."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        return get_json(url)["data"]["result"]
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """The result of ``expr`` now (or at ``at``, seconds since the epoch); raises for a query
+        Prometheus rejects."""
+        params = {"query": expr} | ({} if at is None else {"time": f"{at:.3f}"})
+        return get_json(f"{self.url}/api/v1/query?" + urllib.parse.urlencode(params))["data"]["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
+        """``expr`` over [start, end] every ``step`` seconds, as a Grafana panel asks for it."""
+        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
+        url = f"{self.url}/api/v1/query_range?" + urllib.parse.urlencode(params)
+        return get_json(url, timeout=30, limit=1 << 26)["data"]["result"]  # a run's points: megabytes
+
+    def rules(self) -> list[dict]:
+        return [r for g in get_json(f"{self.url}/api/v1/rules")["data"]["groups"] for r in g["rules"]]
 
     def log_text(self) -> str:
         self.log.flush()
@@ -249,3 +263,133 @@ class Pages:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+# -- a run of validate scraped while it serves (tests/e2e/test_validate.py, tests/hardware) --------
+
+SCRAPE_S = 2  # 1 s scrapes time out on a loaded CPU host (scrape_timeout cannot exceed the interval)
+PANEL_POINTS = 1000  # Grafana's maxDataPoints for a panel about 1000 pixels wide
+# The dashboard queries a healthy run leaves without a series, and why.
+EMPTY_BY_DESIGN = {
+    "panel 'Reports gone, skipped, remote; collector errors' B":
+        "'> 0' keeps only the skip reasons with files, and a healthy report folder has none skipped",
+    "panel 'Speech streams completed and aborted per second' B":
+        "vLLM-Omni writes a reason's series at its first aborted stream, and the run aborts none",
+}
+# vLLM-Omni's audio series behind the dashboard's listener panels (their totals at the end)
+AUDIO_TOTALS = ("vllm_omni:audio_ttfp_s_count", "vllm_omni:audio_rtf_count", "vllm_omni:audio_underrun_s_count",
+                "vllm_omni:audio_frames_total", "vllm_omni:speech_stream_completed_total")
+JOB = "vllm"
+
+
+def version() -> str:
+    done = subprocess.run([PROMETHEUS, "--version"], capture_output=True, text=True, timeout=30)
+    return (done.stdout or done.stderr).splitlines()[0]
+
+
+def grafana_step(start: float, end: float, scrape_s: int = SCRAPE_S) -> int:
+    """``$__interval`` in whole seconds for a panel over [start, end]: the range over the panel's
+    points, not below the data source's scrape interval."""
+    return max(scrape_s, int(-(-(end - start) // PANEL_POINTS)))
+
+
+def grafana_rate_interval(step_s: int, scrape_s: int = SCRAPE_S) -> str:
+    """Grafana's ``$__rate_interval``: max($__interval + scrape interval, 4 x scrape interval)."""
+    return f"{max(step_s + scrape_s, 4 * scrape_s)}s"
+
+
+def raw(p: Prometheus, series: str, start: float, end: float) -> list[tuple[float, float]]:
+    """Every scraped sample of ``series`` in [start, end], the series' values added per scrape."""
+    window = int(end - start) + 1
+    added: dict[float, float] = {}
+    params = {"query": f"{series}[{window}s]", "time": f"{end:.3f}"}
+    for result in get_json(f"{p.url}/api/v1/query?" + urllib.parse.urlencode(params), 30, 1 << 26)["data"]["result"]:
+        for t, v in result["values"]:
+            added[float(t)] = added.get(float(t), 0.0) + float(v)
+    return sorted(added.items())
+
+
+def steps(counts: list, sums: list) -> list[dict]:
+    """A histogram's scrapes as the observations each added: ``after`` observations were in by
+    then, ``added`` of them new, adding ``sum`` (one request's value where ``added`` is 1)."""
+    sums = dict(sums)
+    out, before, sum_before = [], 0.0, 0.0
+    for t, c in counts:
+        if c > before:
+            out.append({"t": t, "after": int(c), "added": int(c - before), "sum": sums.get(t, 0.0) - sum_before})
+        before, sum_before = c, sums.get(t, sum_before)
+    return out
+
+
+def observation(events: list[dict], k: int) -> float | None:
+    """The k-th observation's value (1-based) where its scrape added it alone, else None."""
+    for e in events:
+        if e["after"] - e["added"] < k <= e["after"]:
+            return e["sum"] if e["added"] == 1 else None
+    return None
+
+
+class Around:
+    """A Prometheus scraping ``target`` (validate's ``--port`` on loopback) every ``SCRAPE_S`` with
+    the documented rules loaded, started before the run and, after it, asked what a Grafana
+    dashboard over the run would show: ``record`` (JSON), also written to ``workdir/record.json``.
+    Nothing here fails the run: a Prometheus missing or failing is recorded as ``error``."""
+
+    def __init__(self, workdir: Path, target: str) -> None:
+        self.workdir, self.target = workdir, target
+        self.record: dict = {"target": target}
+        self.p: Prometheus | None = None
+
+    def __enter__(self) -> Around:
+        if PROMETHEUS is None:
+            self.record["error"] = MISSING
+            return self
+        self.began = time.time()
+        try:
+            self.record["version"] = version()
+            self.p = Prometheus(self.workdir, {JOB: self.target}, rules_with_for({}), interval=f"{SCRAPE_S}s")
+            self.record["ready_s"] = self.p.wait_ready()
+        except Exception as exc:  # recorded: the run goes on without its scrapes
+            self.record["error"] = f"prometheus did not start: {exc}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.p is None:
+            return
+        try:
+            if "error" not in self.record:
+                self._collect(time.time())
+        except Exception as exc:  # recorded for the tests that read it
+            self.record["error"] = f"{type(exc).__name__}: {exc}\n{self.p.log_text()}"
+        finally:
+            self.p.stop()
+            (self.workdir / "record.json").write_text(json.dumps(self.record, indent=1))
+
+    def _collect(self, now: float) -> None:
+        p, rec = self.p, self.record
+        up = [t for t, v in raw(p, f'up{{job="{JOB}"}}', self.began, now) if v == 1]
+        rec["scrapes"] = len(raw(p, f'up{{job="{JOB}"}}', self.began, now))
+        if not up:
+            rec["error"] = f"{self.target} was never up in {now - self.began:.0f} s\n{p.log_text()}"
+            return
+        # after the server stopped, a query at 'now' sees stale series: ask at its last scrape
+        first, last = up[0], up[-1]
+        step = grafana_step(first, last)
+        rec |= {"up": len(up), "first_up": first, "last_up": last, "step_s": step,
+                "rate_interval": grafana_rate_interval(step), "panels": {}, "totals": {}}
+        for where, expr in dashboard_queries():
+            filled = grafana_substituted(expr, rec["rate_interval"])
+            result = p.query_range(filled, first, last, step)
+            values = [float(v) for r in result for _, v in r["values"]]
+            finite = [v for v in values if v == v and abs(v) != float("inf")]
+            rec["panels"][where] = {"expr": filled, "series": len(result), "finite": len(finite),
+                                    "above_0": sum(v > 0 for v in finite), "max": max(finite, default=None),
+                                    "labels": [r["metric"] for r in result][:8]}
+        for name in AUDIO_TOTALS:
+            got = p.query(f"sum({name})", at=last)
+            rec["totals"][name] = float(got[0]["value"][1]) if got else None
+        rec["rules"] = {r["name"]: {"health": r["health"], "state": r.get("state"), "error": r.get("lastError", "")}
+                        for r in p.rules()}
+        counts = raw(p, "vllm_omni:audio_underrun_s_count", first, last)
+        sums = raw(p, "vllm_omni:audio_underrun_s_sum", first, last)
+        rec["underrun_steps"] = steps(counts, sums)

@@ -21,6 +21,7 @@ from support.subproc import run_cli, run_python
     (["--profile", "nope"], "unknown profile 'nope'"),
     (["--clones", "0"], "--clones must be at least 1"),
     (["--stagger", "-1"], "--stagger must be between 0 and 3600"),
+    (["--port", "0"], "--port must be between 1 and 65535, got 0"),
     (["--model", "{tmp}"], "no config.json there"),
     (["--deploy", "{tmp}/deploy.yaml"], "no stage with stage_id 0"),
     (["--deploy", "{tmp}/missing.yaml"], "missing.yaml"),
@@ -30,6 +31,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     done = run_cli("validate", "--out", str(tmp_path / "out"), *[a.format(tmp=tmp_path) for a in args])
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_port_taken_on_loopback_is_refused_before_anything_starts_and_a_free_one_passes_that_check(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        done = run_cli("validate", "--out", str(tmp_path / "out"), "--port", str(port), "--clones", "0")
+        assert done.returncode == 2, done.stderr
+        assert f"--port {port}: 127.0.0.1:{port} is not free" in done.stderr, done.stderr
+    # the same port once released: the port check passes, the next bad argument is the one named
+    done = run_cli("validate", "--out", str(tmp_path / "out"), "--port", str(port), "--clones", "0")
+    assert done.returncode == 2 and "--clones must be at least 1" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_used_out_folder_is_refused_without_force(tmp_path):

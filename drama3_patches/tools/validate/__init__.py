@@ -78,6 +78,8 @@ def register(sub) -> None:
     r.add_argument("--max-model-len", type=int, default=512, help="stage 0's longest request (default 512)")
     r.add_argument("--bench-concurrency", type=int, default=2, help="the second bench level (default 2)")
     r.add_argument("--bench-requests", type=int, default=2, help="requests per bench level (default 2)")
+    r.add_argument("--port", type=int, help="the server's port on 127.0.0.1 (default: a free one; give it when a "
+                                            "firewall or a scraper such as Prometheus needs to know it)")
     r.add_argument("--start-timeout", type=float, default=1800, help="seconds to wait for the server (default 1800)")
     r.add_argument("--request-timeout", type=float, default=600, help="seconds per request (default 600)")
     r.add_argument("--stop-grace", type=float, default=60,
@@ -100,6 +102,8 @@ def _check_args(args):
     from drama3_patches.tools.files import InputError
     from drama3_patches.tools.validate.outdir import OutFolder
 
+    if args.port is not None:
+        _check_port(args.port)
     if args.require_stall_free is not None and not 0 <= args.require_stall_free < 3600:
         raise InputError("--require-stall-free must be between 0 and 3600 seconds of audio")
     for flag in ("clones", "clone_frames", "preempt_requests", "preempt_frames", "kv_blocks", "max_model_len",
@@ -120,6 +124,23 @@ def _check_args(args):
     out = OutFolder(args.out)
     out.check(force=args.force)  # last: an InputError above leaves no descriptor open
     return out
+
+
+def _check_port(port: int) -> None:
+    """``--port``: in range and free on 127.0.0.1 now (the server binds it there), so a port
+    taken fails here in one line rather than as a start-up failure minutes later."""
+    import socket
+
+    from drama3_patches.tools.files import InputError
+
+    if not 0 < port < 65536:
+        raise InputError(f"--port must be between 1 and 65535, got {port}")
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise InputError(f"--port {port}: 127.0.0.1:{port} is not free ({exc.strerror}); give another "
+                             "port or leave --port out") from None
 
 
 def _clear_outputs(out) -> None:
@@ -270,7 +291,7 @@ def _run(args, name, loaded, out, began: float, started_at: float, say, signals:
                 lines = phases.write_references(refs, max(args.clones, args.preempt_requests, args.bench_requests))
             finally:
                 refs.close()
-            port = server.free_port()
+            port = args.port or server.free_port()
             say(f"starting vllm serve --omni ({name}: stage 0 at TP{tp}, {'compiled' if run_.compiled else 'eager'}); "
                 f"log: {log}")
             _same_folder(out)
