@@ -22,6 +22,7 @@ from drama3_patches.tools import plan as plan_cmd
 from drama3_patches.tools.tiny_model import (CODEC_SPECS, DRAMA3_CFG, FISH_CFG, fish_tensor_specs, write_fish_checkpoint,
                                              write_safetensors)
 from support.checkpoints import CFG, STANDIN_CFG, tensor_specs, write_checkpoint
+from support.plan_cli import plan_here
 from support.subproc import run_cli
 
 
@@ -64,19 +65,6 @@ def plan_json(ckpt, *args):
     return r.returncode, json.loads(r.stdout)
 
 
-def plan_here(ckpt, *args):
-    """The command in this process (FishOmniConfig is imported once per test process)."""
-    import contextlib
-    import io
-
-    parser = argparse.ArgumentParser()
-    plan_cmd.register(parser.add_subparsers())
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        parsed = parser.parse_args(["plan", str(ckpt), *args])
-        rc = parsed.func(parsed)
-    text = out.getvalue()
-    return rc, (json.loads(text) if "--json" in args else text), err.getvalue()
 
 
 def fish_json(ckpt, *args):

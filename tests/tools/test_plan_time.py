@@ -7,9 +7,6 @@ never by summing what the planner summed.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import json
 import math
 from collections import defaultdict
@@ -17,11 +14,11 @@ from dataclasses import replace
 
 import pytest
 
-from drama3_patches.tools import plan as plan_cmd
 from drama3_patches.tools.plan import calibrate, launch_table, timing
 from drama3_patches.tools.plan import model as planner
 from drama3_patches.tools.plan.cards import SPEEDS, lookup
 from drama3_patches.tools.tiny_model import FISH_CFG, fish_tensor_specs, write_codec, write_fish_checkpoint
+from support.plan_cli import plan_here as run_plan
 
 BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
 T, A = FISH_CFG["text_config"], FISH_CFG["audio_decoder_config"]
@@ -224,15 +221,6 @@ def test_fit_refuses_when_the_device_alone_is_slower_than_measured(fish):
         calibrate.fit_launch_us(inp, replace(K, hbm_gbps=1e-3), WL, 46.4)
 
 
-def run_plan(ckpt, *args):
-    parser = argparse.ArgumentParser()
-    plan_cmd.register(parser.add_subparsers())
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        parsed = parser.parse_args(["plan", str(ckpt), *args])
-        rc = parsed.func(parsed)
-    text = out.getvalue()
-    return rc, (json.loads(text) if "--json" in args and rc != 2 else text), err.getvalue()
 
 
 def test_json_gives_levels_per_graph_and_realtime_streams(fish):
