@@ -167,8 +167,9 @@ def drift(root: str, manifest, versions: dict) -> dict:
         in_tree = [t for t in targets if t["state"] != "not in this tree"]
         moved = [t for t in in_tree if not t["state"].startswith(("unchanged", "no fingerprint"))]
         missing = [r for r in read_rows if r["state"] == "absent"]
-        checked = in_tree or [r for r in read_rows if r["state"] != "not in this tree"]
-        verdict = "affected" if moved or missing else ("unchanged" if checked else "not in this tree")
+        # "unchanged" speaks of targets: a patch none of whose targets is in the tree is "not in this
+        # tree" even where the names it reads around them are (an absent one still makes it affected)
+        verdict = "affected" if moved or missing else ("unchanged" if in_tree else "not in this tree")
         patches.append({"id": spec.id, "verdict": verdict, "targets": targets, "reads": read_rows,
                         "guard": {"takes": takes, "refused": refused}})
     return {"tree": {"versions": versions, "packages": sorted(held)}, "patches": patches}

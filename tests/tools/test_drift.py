@@ -43,7 +43,7 @@ def test_runner_selection_is_affected_on_0_34_because_model_runner_v1_is_gone():
     new, old = report(T034)["runner-selection"], report(T032)["runner-selection"]
     assert new["verdict"] == "affected"
     assert [r["name"] for r in new["reads"] if r["state"] == "absent"] == [V1_RUNNER]
-    assert old["verdict"] == "unchanged"
+    assert old["verdict"] == "not in this tree"  # not affected; no target of it to call unchanged
     assert {r["name"]: r["state"] for r in old["reads"]}[V1_RUNNER] == "exists"
     # its targets are vLLM-Omni's: neither tree holds them
     assert {t["state"] for t in new["targets"]} == {"not in this tree"}
