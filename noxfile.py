@@ -157,17 +157,43 @@ def dispatch(session):
     session.run("python", "benchmarks/dispatch.py", *session.posargs, env={"RAY_USAGE_STATS_ENABLED": "0"})
 
 
+def _unpack_package(sdist: pathlib.Path, package: str, dest: pathlib.Path) -> pathlib.Path:
+    """``package``'s folder and PKG-INFO from an sdist into ``dest``, as an unpacked sdist lays them
+    (tarfile's "data" filter: no links out, no device files, no absolute paths)."""
+    import tarfile
+
+    with tarfile.open(sdist) as archive:
+        top = archive.getmembers()[0].name.split("/")[0]
+        keep = [m for m in archive.getmembers()
+                if m.name == f"{top}/PKG-INFO" or m.name.startswith(f"{top}/{package}/")]
+        archive.extractall(dest, members=keep, filter="data")
+    return dest / top
+
+
 @nox.session
 @nox.parametrize(("vllm", "torch"), DRIFT)
 def drift(session, vllm, torch):
-    """`drama3-patches drift` against a newer vLLM than the pairings test (not in CI: the wheels are
-    large): vLLM and its own torch without dependencies (drift reads the source and imports none of
-    it; no vLLM-Omni pairs with it), then the project; the report in drift-out/<vllm>/."""
+    """`drama3-patches drift` against a newer vLLM than the pairings test (not in CI: see the README):
+    vLLM and its own torch without dependencies (drift reads the source and imports none of it; no
+    vLLM-Omni pairs with it), the newest vLLM-Ascend sdist unpacked beside it, then the project; the
+    report in drift-out/<vllm>/."""
     session.env["PIP_NO_COMPILE"] = "1"
     session.install("--no-deps", f"torch=={torch}", f"vllm=={vllm}")
-    session.install("-e", ".")
+    session.install("-e", ".", "setuptools", "setuptools_scm")
+    # vLLM-Ascend's setup.py describes itself (the metadata pip checks a download against) only with
+    # setuptools_scm at hand and a SoC named; nothing is built.
+    tmp = pathlib.Path(session.create_tmp())
+    sdists = tmp / "sdist"
+    session.run("rm", "-rf", str(sdists), str(tmp / "ascend"), external=True)
+    session.run("python", "-m", "pip", "download", "--no-deps", "--no-build-isolation", "--no-binary",
+                "vllm-ascend", f"vllm-ascend=={_PAIRINGS.DRIFT_ASCEND_SOURCE}", "-d", str(sdists),
+                env={"SOC_VERSION": "ascend910b1"})
+    ascend = _unpack_package(next(sdists.glob("vllm_ascend-*.tar.gz")), "vllm_ascend", tmp / "ascend")
+    site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                       silent=True).strip().splitlines()[-1]
     out = pathlib.Path("drift-out", vllm)
-    session.run("python", "-m", "drama3_patches.tools", "drift", "--out", str(out), *session.posargs)
+    session.run("python", "-m", "drama3_patches.tools", "drift", "--tree", site, "--tree", str(ascend),
+                "--out", str(out), *session.posargs)
 
 
 @nox.session(venv_backend="none")

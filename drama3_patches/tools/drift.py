@@ -1,7 +1,9 @@
 """``drama3-patches drift``: what moved upstream under each patch, read from a source tree.
 
-Given a folder holding vLLM's (and, where present, vLLM-Omni's and vLLM-Ascend's) packages, as
-installed (``site-packages``) or as a recorded extract, the report says per patch and target:
+Given folders holding vLLM's (and, where present, vLLM-Omni's and vLLM-Ascend's) packages, as
+installed (``site-packages``), as an unpacked source distribution (vLLM-Ascend publishes no wheel
+here; its sdist is its newest public source) or as a recorded extract, the report says per patch
+and target:
 
 * whether the module and the name resolve (read from the source, nothing is imported);
 * whether the target's source fingerprint (``drama3_patches/tools/fingerprint.py``) differs from the
@@ -40,17 +42,40 @@ _DIST_INFO = re.compile(r"^(vllm|vllm_omni|vllm_ascend)-([^-]+)\.dist-info$")
 
 def register(sub) -> None:
     p = sub.add_parser("drift", help="report what moved upstream under each patch, from a source tree")
-    p.add_argument("--tree", metavar="DIR", help="folder holding the vllm package (default: where the "
-                                                 "installed vllm is)")
+    p.add_argument("--tree", metavar="DIR", action="append", default=[],
+                   help="folder holding the vllm package (default: where the installed vllm is); again "
+                        "for another folder, e.g. an unpacked vllm-ascend sdist (the first folder that "
+                        "holds a package is read for it)")
     p.add_argument("--version", metavar="DIST=VERSION", action="append", default=[],
-                   help="a distribution's version in the tree (default: its .dist-info there)")
+                   help="a distribution's version in the trees (default: its .dist-info there, or an "
+                        "unpacked sdist's PKG-INFO)")
     p.add_argument("--out", metavar="DIR", default="drift-out", help="where report.md and report.json go "
                                                                      "(default drift-out)")
     p.set_defaults(func=run)
 
 
+def _sdist_version(root: str) -> tuple[str, str] | None:
+    """(distribution, version) from an unpacked sdist's ``PKG-INFO`` (its first header lines)."""
+    from drama3_patches.reader import read_text
+
+    try:
+        text = read_text(os.path.join(root, "PKG-INFO"), 1024 * 1024, "PKG-INFO")
+    except OSError:
+        return None
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line; the description follows
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
+    dist = PACKAGES.get(fields.get("name", "").replace("-", "_"))
+    return (dist, fields["version"]) if dist and fields.get("version") else None
+
+
 def tree_versions(root: str) -> dict[str, str]:
-    """Versions of the watched distributions from the ``.dist-info`` folders in ``root``."""
+    """Versions of the watched distributions in ``root``: its ``.dist-info`` folders, or the
+    ``PKG-INFO`` of an unpacked sdist."""
     out = {}
     try:
         entries = os.listdir(root)
@@ -60,6 +85,19 @@ def tree_versions(root: str) -> dict[str, str]:
         m = _DIST_INFO.match(entry)
         if m:
             out[PACKAGES[m.group(1)]] = m.group(2)
+    sdist = _sdist_version(root)
+    if sdist:
+        out.setdefault(*sdist)
+    return out
+
+
+def package_roots(trees) -> dict[str, str]:
+    """Top-level package -> the first of ``trees`` (a folder or a list of folders) that holds it."""
+    out: dict[str, str] = {}
+    for root in [trees] if isinstance(trees, str) else trees:
+        for pkg in PACKAGES:
+            if pkg not in out and os.path.isdir(os.path.join(root, pkg)):
+                out[pkg] = root
     return out
 
 
@@ -84,10 +122,13 @@ def reads(implementation: str, root: str | None = None) -> list[str]:
     return sorted(names)
 
 
-def resolves(root: str, name: str) -> bool:
-    """Whether ``module`` or ``module:attr.path`` exists in the tree's source."""
+def resolves(root, name: str) -> bool:
+    """Whether ``module`` or ``module:attr.path`` exists in the source of ``root`` (a folder, or the
+    folders of ``package_roots`` by package)."""
     from drama3_patches.tools import fingerprint
 
+    if isinstance(root, dict):
+        root = root.get(name.split(".")[0].split(":")[0], "")
     module, _, attr = name.partition(":")
     if not attr:
         return fingerprint.module_file(root, module) is not None
@@ -121,11 +162,13 @@ def guard(spec, versions: dict) -> tuple[bool, list[str]]:
     return not refused, refused
 
 
-def drift(root: str, manifest, versions: dict) -> dict:
-    """The report, as data: one entry per patch."""
+def drift(trees, manifest, versions: dict) -> dict:
+    """The report, as data: one entry per patch. ``trees``: a folder or a list of folders; each
+    package is read from the first that holds it."""
     from drama3_patches.tools import fingerprint
 
-    held = {dist for pkg, dist in PACKAGES.items() if os.path.isdir(os.path.join(root, pkg))}
+    roots = package_roots(trees)
+    held = {PACKAGES[pkg] for pkg in roots}
     patches = []
     for spec in manifest.patches:
         targets = []
@@ -137,7 +180,7 @@ def drift(root: str, manifest, versions: dict) -> dict:
                 row["state"] = "not in this tree"
                 targets.append(row)
                 continue
-            got, where = fingerprint.of_target(root, target.spec)
+            got, where = fingerprint.of_target(roots[target.module.split(".")[0]], target.spec)
             row["resolves"] = got is not None
             row["fingerprint"] = got
             newest = _newest(recorded)
@@ -159,7 +202,7 @@ def drift(root: str, manifest, versions: dict) -> dict:
             if name in own:
                 continue
             dist = PACKAGES[name.split(".")[0].split(":")[0]]
-            state = "not in this tree" if dist not in held else ("exists" if resolves(root, name) else "absent")
+            state = "not in this tree" if dist not in held else ("exists" if resolves(roots, name) else "absent")
             if state == "absent" and name in PROBES:
                 state = "absent, looked up by feature"
             read_rows.append({"name": name, "state": state})
@@ -225,11 +268,13 @@ def run(args) -> int:
     from drama3_patches.manifest import ManifestError, load_manifest
     from drama3_patches.tools.files import InputError
 
-    root = args.tree or fingerprint.root_of("vllm")
-    if not root or not os.path.isdir(os.path.join(root, "vllm")):
-        raise InputError(f"no vllm package in {root or 'this environment'}; give --tree DIR (the folder "
-                         "holding vllm/)")
-    versions = tree_versions(root)
+    trees = args.tree or [fingerprint.root_of("vllm") or ""]
+    if "vllm" not in package_roots([t for t in trees if t]):
+        raise InputError(f"no vllm package in {', '.join(t for t in trees if t) or 'this environment'}; "
+                         "give --tree DIR (the folder holding vllm/)")
+    versions = {}
+    for root in reversed(trees):  # the first folder's versions win, as its packages do
+        versions.update(tree_versions(root))
     for item in args.version:
         dist, sep, version = item.partition("=")
         if not sep or not dist or not version:
@@ -239,10 +284,10 @@ def run(args) -> int:
         manifest = load_manifest()
     except ManifestError as exc:
         raise InputError(str(exc)) from None
-    report = drift(root, manifest, versions)
+    report = drift(trees, manifest, versions)
     write(report, Path(args.out))
     affected = [p["id"] for p in report["patches"] if p["verdict"] == "affected"]
-    print(f"drift against {', '.join(f'{d} {v}' for d, v in sorted(versions.items())) or root}: "
+    print(f"drift against {', '.join(f'{d} {v}' for d, v in sorted(versions.items())) or ', '.join(trees)}: "
           f"{len(affected)} patch(es) affected{': ' + ', '.join(affected) if affected else ''}; "
           f"report in {args.out}/report.md")
     return 0

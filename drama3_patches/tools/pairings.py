@@ -35,6 +35,11 @@ DRIFT = (
     ("0.34.0", "2.14.0"),
 )
 
+# The newest public vLLM-Ascend source, read beside each drift row (`nox -s drift`): a release
+# published as an sdist only (its wheels come from Ascend's own index), so the lane reads its
+# source, never installs it.
+DRIFT_ASCEND_SOURCE = "0.30.0rc2"
+
 # vLLM-Omni releases that import beside no vLLM of the table, and why.
 UNPAIRED_OMNI = {
     "0.30.0": "imports beside neither vLLM 0.31 nor 0.32 (RoutedExpertsLists is missing from vllm.v1.outputs)",

@@ -1,7 +1,8 @@
-"""``drama3-patches drift`` on two recorded source trees (tests/tools/drift_trees: extracts of the
-vLLM 0.32.0 and 0.34.0 wheels, each file citing what it mirrors): runner-selection is affected on
-0.34.0 (Model Runner V1 removed), metrics-endpoint's target is as reviewed on both; and the
-manifest's recorded fingerprints match the installed wheels.
+"""``drama3-patches drift`` on recorded source trees (tests/tools/drift_trees: extracts of the
+vLLM 0.32.0 and 0.34.0 wheels and of the vLLM-Ascend 0.30.0rc2 sdist, each file citing what it
+mirrors): runner-selection is affected on 0.34.0 (Model Runner V1 removed), metrics-endpoint's
+target is as reviewed on both, mamba-prefill-end's as reviewed on the sdist read beside a vLLM
+tree; and the manifest's recorded fingerprints match the installed wheels.
 
 The reference fingerprints are the manifest's, recorded from the published wheels, not computed
 from the trees here.
@@ -22,19 +23,59 @@ from support.subproc import ROOT
 
 TREES = Path(__file__).parent / "drift_trees"
 T032, T034 = TREES / "vllm_0_32_0", TREES / "vllm_0_34_0"
+A030 = TREES / "vllm_ascend_0_30_0rc2"  # an unpacked sdist's layout: PKG-INFO beside vllm_ascend/
+MAMBA = "vllm_ascend.patch.platform.patch_mamba_manager:AscendMambaManager.get_num_blocks_to_allocate"
 METRICS = "vllm.entrypoints.serve.instrumentator.metrics:attach_router"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 
-def report(tree: Path) -> dict:
+def report(tree: Path, *more: Path) -> dict:
     manifest = load_manifest(ROOT / "patches_manifest.yaml")
-    out = drift_tool.drift(str(tree), manifest, drift_tool.tree_versions(str(tree)))
+    versions = {}
+    for t in (tree, *more):
+        versions.update(drift_tool.tree_versions(str(t)))
+    out = drift_tool.drift([str(t) for t in (tree, *more)], manifest, versions)
     return {p["id"]: p for p in out["patches"]}
 
 
 def test_tree_versions_come_from_the_dist_info_folders():
     assert drift_tool.tree_versions(str(T032)) == {"vllm": "0.32.0"}
     assert drift_tool.tree_versions(str(T034)) == {"vllm": "0.34.0"}
+
+
+def test_an_unpacked_sdist_gives_its_version_from_pkg_info(tmp_path):
+    assert drift_tool.tree_versions(str(A030)) == {"vllm-ascend": "0.30.0rc2"}
+    # negative control: a PKG-INFO naming another project gives nothing
+    (tmp_path / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: other\nVersion: 1.0\n\n")
+    assert drift_tool.tree_versions(str(tmp_path)) == {}
+
+
+def test_mamba_prefill_end_is_as_reviewed_on_the_ascend_sdist_read_beside_vllm():
+    """The second tree adds vLLM-Ascend: mamba-prefill-end's target is found there and matches the
+    record taken from the published sdist; with the vLLM tree alone it is not in the tree."""
+    recorded = load_manifest(ROOT / "patches_manifest.yaml").get("mamba-prefill-end").reviewed_source[MAMBA]
+    row = report(T034, A030)["mamba-prefill-end"]
+    (target,) = row["targets"]
+    assert row["verdict"] == "unchanged", row
+    assert target["fingerprint"] == recorded["0.30.0rc2"]
+    assert target["state"] == "unchanged: as reviewed on vllm-ascend 0.30.0rc2"
+    # the guard reads both trees' versions: vLLM 0.34.0 is outside the patch's range, 0.30.0rc2 inside
+    assert row["guard"]["refused"] == ["vllm 0.34.0 outside >=0.31.0,<0.33"]
+    assert report(T034)["mamba-prefill-end"]["verdict"] == "not in this tree"
+
+
+def test_an_ascend_method_that_takes_prefill_end_is_reported_changed(tmp_path):
+    """Negative control: the signature upstream would fix (prefill_end added) is a changed target."""
+    tree = tmp_path / "ascend"
+    shutil.copytree(A030, tree)
+    path = tree / "vllm_ascend" / "patch" / "platform" / "patch_mamba_manager.py"
+    text = path.read_text()
+    assert "apply_admission_cap: bool = False,\n" in text
+    path.write_text(text.replace("apply_admission_cap: bool = False,\n",
+                                 "apply_admission_cap: bool = False,\n        prefill_end: int = 0,\n", 1))
+    row = report(T034, tree)["mamba-prefill-end"]
+    assert row["verdict"] == "affected"
+    assert row["targets"][0]["state"] == "changed since vllm-ascend 0.30.0rc2"
 
 
 def test_runner_selection_is_affected_on_0_34_because_model_runner_v1_is_gone():
@@ -115,12 +156,28 @@ def test_the_command_writes_both_reports_and_leaves_the_manifest_alone(tmp_path,
     assert f"- reads, absent: `{V1_RUNNER}`" in md
 
 
+def test_the_command_reads_a_second_tree_for_vllm_ascend(tmp_path):
+    from drama3_patches.tools import main
+
+    out = tmp_path / "drift-out"
+    assert main(["drift", "--tree", str(T034), "--tree", str(A030), "--out", str(out)]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert data["tree"] == {"versions": {"vllm": "0.34.0", "vllm-ascend": "0.30.0rc2"},
+                            "packages": ["vllm", "vllm-ascend"]}
+    md = (out / "report.md").read_text()
+    assert md.startswith("# Drift against vllm 0.34.0, vllm-ascend 0.30.0rc2\n")
+    assert "| `mamba-prefill-end` | unchanged | no: vllm 0.34.0 outside >=0.31.0,<0.33 |" in md
+
+
 def test_a_tree_without_vllm_is_refused(tmp_path, capsys):
     from drama3_patches.tools import main
 
     assert main(["drift", "--tree", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "no vllm package in" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    # vLLM-Ascend's tree alone is no vLLM tree either
+    assert main(["drift", "--tree", str(A030), "--out", str(tmp_path / "o")]) == 2
+    assert f"no vllm package in {A030}" in capsys.readouterr().err
 
 
 @pytest.mark.vllm
@@ -133,7 +190,10 @@ def test_recorded_fingerprints_match_the_installed_wheels():
     for spec in load_manifest(ROOT / "patches_manifest.yaml").patches:
         for target, versions in spec.reviewed_source.items():
             dist = drift_tool.PACKAGES[target.split(".")[0]]
-            version = md.version(dist)
+            try:
+                version = md.version(dist)
+            except md.PackageNotFoundError:  # vLLM-Ascend: its record is held by the drift tests' extract
+                continue
             if version not in versions:
                 continue
             got, where = fingerprint.of_target(fingerprint.root_of(target), target)
