@@ -9,7 +9,8 @@ and target:
 * whether the target's source fingerprint (``drama3_patches/tools/fingerprint.py``) differs from the
   one the manifest's ``reviewed_source`` records for the newest reviewed version;
 * whether the names the patch's implementation reads around its targets (its imports of, and
-  string constants naming, ``vllm``/``vllm_omni``/``vllm_ascend`` modules and attributes) exist;
+  string constants naming, ``vllm``/``vllm_omni``/``vllm_ascend`` modules and attributes, and those
+  of the private helper modules it imports or a target of its own lives in) exist;
 * whether the version guard would take the patch at the tree's versions.
 
 It writes ``report.md`` and ``report.json`` in ``--out`` and never edits the manifest: a reviewer
@@ -101,24 +102,47 @@ def package_roots(trees) -> dict[str, str]:
     return out
 
 
-def reads(implementation: str, root: str | None = None) -> list[str]:
-    """The upstream names the implementation module reads (imports and string constants)."""
+_HELPERS = "drama3_patches.patches._"  # the patches' private helper modules (shared runner classes)
+
+
+def _module_reads(base: str, module: str) -> tuple[set, set]:
+    """(upstream names, private helper modules) that ``module``'s source under ``base`` imports or
+    names in string constants."""
     from drama3_patches.tools import fingerprint
 
-    module = implementation.split(":")[0]
-    base = root or str(Path(__file__).resolve().parents[2])  # the folder holding drama3_patches
     path = fingerprint.module_file(base, module)
     text = fingerprint.read_source(path) if path else None
     if text is None:
-        return []
-    names = set()
+        return set(), set()
+    names, helpers = set(), set()
+    package = module.rpartition(".")[0]
     for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES and not node.level:
-            names.update(f"{node.module}:{a.name}" for a in node.names)
+        if isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level == 1:  # `from ._helper import X` / `from . import _helper` in the patches package
+                source = f"{package}.{source}" if source else package
+            elif node.level:
+                continue
+            if source.split(".")[0] in PACKAGES:
+                names.update(f"{source}:{a.name}" for a in node.names)
+            helpers.update(m for m in [source, *(f"{source}.{a.name}" for a in node.names)] if m.startswith(_HELPERS))
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
+            helpers.update(a.name for a in node.names if a.name.startswith(_HELPERS))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.match(node.value):
             names.add(node.value)
+    return names, {h for h in helpers if fingerprint.module_file(base, h)}
+
+
+def reads(implementation: str, root: str | None = None, also: tuple = ()) -> list[str]:
+    """The upstream names the implementation module reads (imports and string constants), with those
+    of the private helper modules it imports and of ``also`` (modules of this package a target
+    lives in), one level deep."""
+    module = implementation.split(":")[0]
+    base = root or str(Path(__file__).resolve().parents[2])  # the folder holding drama3_patches
+    names, helpers = _module_reads(base, module)
+    for helper in sorted((helpers | {m for m in also if m.startswith(_HELPERS)}) - {module}):
+        names |= _module_reads(base, helper)[0]
     return sorted(names)
 
 
@@ -198,7 +222,7 @@ def drift(trees, manifest, versions: dict) -> dict:
             targets.append(row)
         own = {t.spec for t in spec.targets}
         read_rows = []
-        for name in reads(spec.implementation):
+        for name in reads(spec.implementation, also=tuple(t.module for t in spec.targets)):
             if name in own:
                 continue
             dist = PACKAGES[name.split(".")[0].split(":")[0]]

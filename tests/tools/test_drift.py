@@ -78,6 +78,33 @@ def test_an_ascend_method_that_takes_prefill_end_is_reported_changed(tmp_path):
     assert row["targets"][0]["state"] == "changed since vllm-ascend 0.30.0rc2"
 
 
+def test_reads_follow_the_private_helper_modules_a_patch_or_its_target_module_imports(tmp_path):
+    """A patch's reads include those of the ``drama3_patches.patches._*`` helpers it imports (any
+    import form) and of a target module of its own; a helper's helper and a public module are not
+    followed (one level)."""
+    pkg = tmp_path / "drama3_patches" / "patches"
+    pkg.mkdir(parents=True)
+    (pkg / "p.py").write_text("from ._h import X\ndef plan(ctx):\n    import drama3_patches.patches._i\n")
+    (pkg / "_h.py").write_text("from vllm_ascend.a import B\nfrom drama3_patches.patches._deep import Z\n")
+    (pkg / "_i.py").write_text("import vllm.c\n")
+    (pkg / "_t.py").write_text("S = 'vllm_omni.d:E'\n")
+    (pkg / "_deep.py").write_text("from vllm.never import Seen\n")
+    assert drift_tool.reads("drama3_patches.patches.p:plan", root=str(tmp_path)) == ["vllm.c", "vllm_ascend.a:B"]
+    assert drift_tool.reads("drama3_patches.patches.p:plan", root=str(tmp_path),
+                            also=("drama3_patches.patches._t",)) == ["vllm.c", "vllm_ascend.a:B", "vllm_omni.d:E"]
+    # negative control: a module that imports no helper reads only its own names
+    assert drift_tool.reads("drama3_patches.patches._i:plan", root=str(tmp_path)) == ["vllm.c"]
+
+
+def test_lora_count_forwarding_reads_what_its_runner_module_imports():
+    """Its target lives in this package (the shared NPU Omni AR runner); the vLLM-Ascend and
+    vLLM-Omni classes that runner builds on are the patch's reads."""
+    spec = load_manifest(ROOT / "patches_manifest.yaml").get("lora-count-forwarding")
+    names = drift_tool.reads(spec.implementation, also=tuple(t.module for t in spec.targets))
+    assert "vllm_ascend.worker.v2.model_runner:NPUModelRunner" in names
+    assert "vllm_omni.worker_v2.omni_ar_model_runner:OmniARModelRunner" in names
+
+
 def test_runner_selection_is_affected_on_0_34_because_model_runner_v1_is_gone():
     """On 0.34.0 the V1 runner module runner-selection reads is absent and the patch is affected; on
     0.32.0 (negative control) the same read exists and nothing else of the patch is in the tree."""
