@@ -1,8 +1,9 @@
 """``drama3-patches drift`` on recorded source trees (tests/tools/drift_trees: extracts of the
-vLLM 0.32.0 and 0.34.0 wheels and of the vLLM-Ascend 0.30.0rc2 sdist, each file citing what it
-mirrors): runner-selection is affected on 0.34.0 (Model Runner V1 removed), metrics-endpoint's
-target is as reviewed on both, mamba-prefill-end's as reviewed on the sdist read beside a vLLM
-tree; and the manifest's recorded fingerprints match the installed wheels.
+vLLM 0.32.0 and 0.34.0 wheels, each file citing what it mirrors; and the vLLM-Ascend 0.30.0rc2
+stand-in, tests/replicas/ascend_030rc2, whose mamba override has the sdist's syntax tree):
+runner-selection is affected on 0.34.0 (Model Runner V1 removed), metrics-endpoint's target is as
+reviewed on both, mamba-prefill-end's as reviewed on the sdist when read beside a vLLM tree; and
+the manifest's recorded fingerprints match the installed wheels.
 
 The reference fingerprints are the manifest's, recorded from the published wheels, not computed
 from the trees here.
@@ -23,7 +24,7 @@ from support.subproc import ROOT
 
 TREES = Path(__file__).parent / "drift_trees"
 T032, T034 = TREES / "vllm_0_32_0", TREES / "vllm_0_34_0"
-A030 = TREES / "vllm_ascend_0_30_0rc2"  # an unpacked sdist's layout: PKG-INFO beside vllm_ascend/
+A030 = ROOT / "tests" / "replicas" / "ascend_030rc2"
 MAMBA = "vllm_ascend.patch.platform.patch_mamba_manager:AscendMambaManager.get_num_blocks_to_allocate"
 METRICS = "vllm.entrypoints.serve.instrumentator.metrics:attach_router"
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -44,7 +45,10 @@ def test_tree_versions_come_from_the_dist_info_folders():
 
 
 def test_an_unpacked_sdist_gives_its_version_from_pkg_info(tmp_path):
-    assert drift_tool.tree_versions(str(A030)) == {"vllm-ascend": "0.30.0rc2"}
+    """An unpacked sdist has no .dist-info: its PKG-INFO's headers name the project and version."""
+    (tmp_path / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: vllm_ascend\nVersion: 0.30.0rc2\n"
+                                       "Summary: x\n\nVersion: 9.9 (the description, not a header)\n")
+    assert drift_tool.tree_versions(str(tmp_path)) == {"vllm-ascend": "0.30.0rc2"}
     # negative control: a PKG-INFO naming another project gives nothing
     (tmp_path / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: other\nVersion: 1.0\n\n")
     assert drift_tool.tree_versions(str(tmp_path)) == {}
@@ -52,7 +56,8 @@ def test_an_unpacked_sdist_gives_its_version_from_pkg_info(tmp_path):
 
 def test_mamba_prefill_end_is_as_reviewed_on_the_ascend_sdist_read_beside_vllm():
     """The second tree adds vLLM-Ascend: mamba-prefill-end's target is found there and matches the
-    record taken from the published sdist; with the vLLM tree alone it is not in the tree."""
+    record taken from the published sdist (by fingerprint of the sdist's own file, not of this
+    stand-in); with the vLLM tree alone it is not in the tree."""
     recorded = load_manifest(ROOT / "patches_manifest.yaml").get("mamba-prefill-end").reviewed_source[MAMBA]
     row = report(T034, A030)["mamba-prefill-end"]
     (target,) = row["targets"]

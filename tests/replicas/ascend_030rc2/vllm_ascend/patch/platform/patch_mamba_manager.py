@@ -2,7 +2,9 @@
 # Kept: the class name, its real base (vLLM's MambaManager), the find_longest_cache_hit override
 # (keyword pass-through), the get_num_blocks_to_allocate override's signature (:53-62) -- no
 # `prefill_end`, no **kwargs -- its call to the parent without `prefill_end`, the external-cache
-# block adjustment, and the module-level rebinding that makes vLLM build this manager.
+# block adjustment, and the module-level rebinding that makes vLLM build this manager. That
+# override's syntax tree is the sdist's (:53-88; comments aside), so its source fingerprint is the
+# manifest's record for 0.30.0rc2 (tests/tools/test_drift.py reads this stand-in as the sdist).
 from collections.abc import Sequence
 
 import vllm.v1.core.single_type_kv_cache_manager as single_type_kv_cache_manager
@@ -71,7 +73,9 @@ class AscendMambaManager(MambaManager):
             apply_admission_cap=apply_admission_cap,
         )
         # External tokens loaded together with new tokens take one more block.
-        if total_computed_tokens > local_hit_tokens and num_tokens_main_model > total_computed_tokens:
+        has_external_tokens = total_computed_tokens > local_hit_tokens
+        has_new_scheduled_tokens = num_tokens_main_model > total_computed_tokens
+        if has_external_tokens and has_new_scheduled_tokens:
             num_new_blocks += 1
         return num_new_blocks
 
