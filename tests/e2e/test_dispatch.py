@@ -2,7 +2,8 @@
 the codebook tower's and frame sampler's launches within issue 23's budget, every kernel call seen,
 no host sync inside the model's forward.
 
-One engine on a published-depth tiny checkpoint, platform forced to npu, batch 1, with torch-npu's
+The tier's fused counting run (conftest.counted_runs: the engine on a published-depth tiny
+checkpoint, platform forced to npu, whose decode steps at batch 1 are read here), with torch-npu's
 two fused norms stood in by one-op CPU implementations (``DRAMA3_E2E_FUSED_STANDIN``: their
 arithmetic is not torch-npu's, their count is what an NPU with them dispatches). The CPU's eager
 path is held per call by tests/kernels/test_launch_budget.py; its engine figures (988 / 1,027
@@ -14,8 +15,6 @@ from __future__ import annotations
 import pytest
 
 from support import dispatch, fused_path
-from support import e2e_pipeline as ep
-from support.subproc import call
 from support.tower_calls import CALLS_PER_FRAME
 
 pytestmark = pytest.mark.e2e
@@ -27,15 +26,8 @@ from support.tower_calls import tower_calls  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def fused(tmp_path_factory):
-    reason = ep.problem()
-    if reason:
-        pytest.skip(reason)
-    work = tmp_path_factory.mktemp("dispatch_fused")
-    model = call(dispatch.write_published_model, str(work / "model"), env=ep.env(patches=False),
-                 pythonpath=[ep.SITE], timeout=900)
-    run = dispatch.measure(work, batches=(1,), frames=3, model=model, DRAMA3_E2E_FUSED_STANDIN="1")
-    return dispatch.summarize(run["steps"], 1)
+def fused(counted_runs):
+    return counted_runs["fused"][1]
 
 
 def _by_kernel(per_call: dict) -> dict:
