@@ -56,22 +56,19 @@ def register(sub) -> None:
 
 
 def _sdist_version(root: str) -> tuple[str, str] | None:
-    """(distribution, version) from an unpacked sdist's ``PKG-INFO`` (its first header lines)."""
+    """(distribution, version) from the headers of an unpacked sdist's ``PKG-INFO``."""
+    from email.parser import HeaderParser
+
     from drama3_patches.reader import read_text
 
     try:
         text = read_text(os.path.join(root, "PKG-INFO"), 1024 * 1024, "PKG-INFO")
     except OSError:
         return None
-    fields = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break  # the headers end at the first blank line; the description follows
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip().lower(), value.strip())
-    dist = PACKAGES.get(fields.get("name", "").replace("-", "_"))
-    return (dist, fields["version"]) if dist and fields.get("version") else None
+    headers = HeaderParser().parsestr(text)  # the headers end at the first blank line
+    dist = PACKAGES.get((headers.get("Name") or "").replace("-", "_"))
+    version = (headers.get("Version") or "").strip()
+    return (dist, version) if dist and version else None
 
 
 def tree_versions(root: str) -> dict[str, str]:
@@ -92,10 +89,18 @@ def tree_versions(root: str) -> dict[str, str]:
     return out
 
 
-def package_roots(trees) -> dict[str, str]:
-    """Top-level package -> the first of ``trees`` (a folder or a list of folders) that holds it."""
+def versions_of(trees: list[str]) -> dict[str, str]:
+    """``tree_versions`` of each folder; the first folder's win, as its packages do."""
     out: dict[str, str] = {}
-    for root in [trees] if isinstance(trees, str) else trees:
+    for root in reversed(trees):
+        out.update(tree_versions(root))
+    return out
+
+
+def package_roots(trees: list[str]) -> dict[str, str]:
+    """Top-level package -> the first of ``trees`` that holds it."""
+    out: dict[str, str] = {}
+    for root in trees:
         for pkg in PACKAGES:
             if pkg not in out and os.path.isdir(os.path.join(root, pkg)):
                 out[pkg] = root
@@ -146,13 +151,10 @@ def reads(implementation: str, root: str | None = None, also: tuple = ()) -> lis
     return sorted(names)
 
 
-def resolves(root, name: str) -> bool:
-    """Whether ``module`` or ``module:attr.path`` exists in the source of ``root`` (a folder, or the
-    folders of ``package_roots`` by package)."""
+def resolves(root: str, name: str) -> bool:
+    """Whether ``module`` or ``module:attr.path`` exists in the tree's source."""
     from drama3_patches.tools import fingerprint
 
-    if isinstance(root, dict):
-        root = root.get(name.split(".")[0].split(":")[0], "")
     module, _, attr = name.partition(":")
     if not attr:
         return fingerprint.module_file(root, module) is not None
@@ -186,9 +188,9 @@ def guard(spec, versions: dict) -> tuple[bool, list[str]]:
     return not refused, refused
 
 
-def drift(trees, manifest, versions: dict) -> dict:
-    """The report, as data: one entry per patch. ``trees``: a folder or a list of folders; each
-    package is read from the first that holds it."""
+def drift(trees: list[str], manifest, versions: dict) -> dict:
+    """The report, as data: one entry per patch. Each package is read from the first of ``trees``
+    that holds it."""
     from drama3_patches.tools import fingerprint
 
     roots = package_roots(trees)
@@ -225,8 +227,8 @@ def drift(trees, manifest, versions: dict) -> dict:
         for name in reads(spec.implementation, also=tuple(t.module for t in spec.targets)):
             if name in own:
                 continue
-            dist = PACKAGES[name.split(".")[0].split(":")[0]]
-            state = "not in this tree" if dist not in held else ("exists" if resolves(roots, name) else "absent")
+            pkg = name.split(".")[0].split(":")[0]
+            state = "not in this tree" if pkg not in roots else ("exists" if resolves(roots[pkg], name) else "absent")
             if state == "absent" and name in PROBES:
                 state = "absent, looked up by feature"
             read_rows.append({"name": name, "state": state})
@@ -292,13 +294,11 @@ def run(args) -> int:
     from drama3_patches.manifest import ManifestError, load_manifest
     from drama3_patches.tools.files import InputError
 
-    trees = args.tree or [fingerprint.root_of("vllm") or ""]
-    if "vllm" not in package_roots([t for t in trees if t]):
-        raise InputError(f"no vllm package in {', '.join(t for t in trees if t) or 'this environment'}; "
+    trees = args.tree or [root for root in [fingerprint.root_of("vllm")] if root]
+    if "vllm" not in package_roots(trees):
+        raise InputError(f"no vllm package in {', '.join(trees) or 'this environment'}; "
                          "give --tree DIR (the folder holding vllm/)")
-    versions = {}
-    for root in reversed(trees):  # the first folder's versions win, as its packages do
-        versions.update(tree_versions(root))
+    versions = versions_of(trees)
     for item in args.version:
         dist, sep, version = item.partition("=")
         if not sep or not dist or not version:

@@ -32,10 +32,8 @@ V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 def report(tree: Path, *more: Path) -> dict:
     manifest = load_manifest(ROOT / "patches_manifest.yaml")
-    versions = {}
-    for t in (tree, *more):
-        versions.update(drift_tool.tree_versions(str(t)))
-    out = drift_tool.drift([str(t) for t in (tree, *more)], manifest, versions)
+    trees = [str(t) for t in (tree, *more)]
+    out = drift_tool.drift(trees, manifest, drift_tool.versions_of(trees))
     return {p["id"]: p for p in out["patches"]}
 
 
