@@ -41,13 +41,15 @@ def scheme_name() -> str | None:
     return scheme.__name__ if scheme is not None else None
 
 
-def _model(tmp_path) -> str:
-    model = os.environ.get("DRAMA3_NPU_MODEL")
-    if model:
-        return model
+def write_tiny_fp8(directory: str) -> str:
+    """A tiny published-format checkpoint with block-FP8 experts (run in a child: it imports vLLM-Omni)."""
     from drama3_patches.tools import tiny_model
 
-    return str(tiny_model.make(tmp_path / "tiny-fp8", fp8=True))
+    return str(tiny_model.make(directory, fp8=True))
+
+
+def _model(tmp_path) -> str:
+    return os.environ.get("DRAMA3_NPU_MODEL") or call(write_tiny_fp8, str(tmp_path / "tiny-fp8"))
 
 
 def _serve(model: str, route: str, tmp_path) -> tuple[dict, list]:
