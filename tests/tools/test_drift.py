@@ -53,9 +53,9 @@ def test_an_unpacked_sdist_gives_its_version_from_pkg_info(tmp_path):
 
 
 def test_mamba_prefill_end_is_as_reviewed_on_the_ascend_sdist_read_beside_vllm():
-    """The second tree adds vLLM-Ascend: mamba-prefill-end's target is found there and matches the
-    record taken from the published sdist (by fingerprint of the sdist's own file, not of this
-    stand-in); with the vLLM tree alone it is not in the tree."""
+    """The second tree adds vLLM-Ascend: mamba-prefill-end's target is found there and its
+    fingerprint matches the manifest's record (taken from the published sdist's own file; this
+    stand-in's override has the same syntax tree); with the vLLM tree alone it is not in the tree."""
     recorded = load_manifest(ROOT / "patches_manifest.yaml").get("mamba-prefill-end").reviewed_source[MAMBA]
     row = report(T034, A030)["mamba-prefill-end"]
     (target,) = row["targets"]
@@ -222,7 +222,7 @@ def test_recorded_fingerprints_match_the_installed_wheels():
             dist = drift_tool.PACKAGES[target.split(".")[0]]
             try:
                 version = md.version(dist)
-            except md.PackageNotFoundError:  # vLLM-Ascend: its record is held by the drift tests' extract
+            except md.PackageNotFoundError:  # vLLM-Ascend: the 0.30.0rc2 stand-in holds its record (above)
                 continue
             if version not in versions:
                 continue
