@@ -14,15 +14,10 @@ from drama3_patches.tools.plan import launch_table
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def counted(counted_runs):
-    return counted_runs
+def test_every_decode_step_of_a_batch_dispatched_the_same_ops(counted_runs):
+    assert {(v, b): s["identical"] for v, by in counted_runs.items() for b, s in by.items()} == {
+        (v, b): True for v in counted_runs for b in launch_table.BATCHES}
 
 
-def test_every_decode_step_of_a_batch_dispatched_the_same_ops(counted):
-    assert {(v, b): s["identical"] for v, by in counted.items() for b, s in by.items()} == {
-        (v, b): True for v in counted for b in launch_table.BATCHES}
-
-
-def test_shipped_launch_table_equals_the_engines_count(counted):
-    assert launch_table.from_summaries(counted) == launch_table.LAUNCHES
+def test_shipped_launch_table_equals_the_engines_count(counted_runs):
+    assert launch_table.from_summaries(counted_runs) == launch_table.LAUNCHES
